@@ -1,0 +1,1 @@
+"""Preconditions: GPU inventory (NVML or simulated), port checks, holder attribution."""

@@ -1,0 +1,125 @@
+"""Simulated GPUs for rehearsal and tests.
+
+The rule we imitate is the driver's: device memory belongs to a live process and comes
+back the moment that process dies. A stand-in "allocates" by writing a holding file that
+names its PID and start time; a holding counts only while that exact process is alive and
+not a zombie. So a foreign holder is simulated simply by running a stand-in outside the
+daemon, and a detached grandchild keeps its memory until it, not its parent, is dead.
+
+Layout of the directory:
+    devices.json          {"gpus": [{"index", "uuid", "name", "total_mib", "reserved_mib"}]}
+    holders/<pid>.json    {"pid", "create_time", "gpus": [...], "mib": N}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+ENV_DIR = "SUPERVISORD_GPU_SIMGPU_DIR"
+H200_TOTAL_MIB = 143771
+H200_RESERVED_MIB = 615
+
+
+@dataclass(frozen=True)
+class SimDevice:
+    index: int
+    uuid: str
+    name: str
+    total_mib: int
+    reserved_mib: int
+
+
+@dataclass(frozen=True)
+class SimHolding:
+    pid: int
+    gpus: tuple[int, ...]
+    mib: int
+
+
+class SimulatedGpus:
+    """A directory that stands for the GPUs of a machine; see the module docstring."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+
+    @classmethod
+    def create(
+        cls,
+        directory: str | os.PathLike[str],
+        count: int,
+        total_mib: int = H200_TOTAL_MIB,
+        reserved_mib: int = H200_RESERVED_MIB,
+        name: str = "Simulated NVIDIA H200",
+    ) -> "SimulatedGpus":
+        sim = cls(directory)
+        (sim.directory / "holders").mkdir(parents=True, exist_ok=True)
+        gpus = [
+            {
+                "index": i,
+                "uuid": f"GPU-5157a000-0000-4000-8000-{i:012x}",
+                "name": name,
+                "total_mib": total_mib,
+                "reserved_mib": reserved_mib,
+            }
+            for i in range(count)
+        ]
+        _atomic_write(sim.directory / "devices.json", json.dumps({"gpus": gpus}, indent=1))
+        return sim
+
+    def exists(self) -> bool:
+        return (self.directory / "devices.json").is_file()
+
+    def devices(self) -> list[SimDevice]:
+        data = json.loads((self.directory / "devices.json").read_text())
+        return [SimDevice(**g) for g in data["gpus"]]
+
+    def hold(self, gpus: list[int] | tuple[int, ...], mib: int, pid: int | None = None) -> Path:
+        """Record that process `pid` (default: this one) holds `mib` MiB on each of `gpus`."""
+        pid = os.getpid() if pid is None else pid
+        create_time = psutil.Process(pid).create_time()
+        path = self.directory / "holders" / f"{pid}.json"
+        record = {"pid": pid, "create_time": create_time, "gpus": list(gpus), "mib": int(mib)}
+        _atomic_write(path, json.dumps(record))
+        return path
+
+    def holders(self) -> list[SimHolding]:
+        """Holdings of processes that are alive right now; dead ones hold nothing."""
+        found: list[SimHolding] = []
+        holders_dir = self.directory / "holders"
+        try:
+            entries = list(os.scandir(holders_dir))
+        except FileNotFoundError:
+            return found
+        for entry in entries:
+            try:
+                with open(entry.path) as f:
+                    record = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if _alive(record["pid"], record["create_time"]):
+                found.append(SimHolding(record["pid"], tuple(record["gpus"]), record["mib"]))
+            else:
+                try:
+                    os.unlink(entry.path)
+                except OSError:
+                    pass
+        return found
+
+
+def _alive(pid: int, create_time: float) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        return abs(proc.create_time() - create_time) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,63 @@
+"""One exception type per failure a person must act on.
+
+Each is caught at the edge (CLI, daemon start-up, D-Bus method) and printed as one line:
+what went wrong, where, and what to do. The exit code travels with the exception so the
+edge never has to guess it.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_PRECONDITIONS = 3
+EXIT_UNREACHABLE = 4
+
+
+class SupervisorError(Exception):
+    """Base of every error meant for a person; never shown with a traceback."""
+
+    exit_code = EXIT_FAILED
+
+
+class ConfigError(SupervisorError):
+    """A daemon config or profile is wrong: names the file, the key and what is wrong."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, path: str, key: str, problem: str) -> None:
+        self.path = str(path)
+        self.key = key
+        self.problem = problem
+        where = f"{self.path}: {key}: " if key else f"{self.path}: "
+        super().__init__(where + problem)
+
+
+class UsageError(SupervisorError):
+    """A command line that cannot be acted on."""
+
+    exit_code = EXIT_USAGE
+
+
+class PreconditionError(SupervisorError):
+    """GPUs not idle or ports not free; the message names every holder."""
+
+    exit_code = EXIT_PRECONDITIONS
+
+
+class StartError(SupervisorError):
+    """A process did not become ready; says which, why, and its last lines."""
+
+    exit_code = EXIT_FAILED
+
+
+class OwnershipError(SupervisorError):
+    """The cgroup machinery refused us (no writable cgroup v2, leftover cgroups, ...)."""
+
+    exit_code = EXIT_FAILED
+
+
+class BusError(SupervisorError):
+    """The daemon or the bus cannot be reached."""
+
+    exit_code = EXIT_UNREACHABLE
