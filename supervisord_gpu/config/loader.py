@@ -1,0 +1,590 @@
+"""Reading and validating the daemon config and profiles.
+
+Nothing here starts or touches anything: a bad file becomes one ConfigError naming the file,
+the key and what is wrong, and the caller exits 2 before any side effect.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import sys
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from ..errors import ConfigError
+from ..ownership.names import INSTANCE_NAME_RE, PROCESS_NAME_RE
+from .model import (
+    DaemonConfig,
+    GpuConfig,
+    MetricsConfig,
+    OptionValue,
+    Probe,
+    ProcessSpec,
+    Profile,
+    RehearsalConfig,
+    RestartPolicy,
+)
+from .tables import Table, type_name
+
+DEFAULT_CONFIG_DIR = Path("/etc/supervisord-gpu")
+CONFIG_DIR_ENV = "SUPERVISORD_GPU_CONFIG_DIR"
+DAEMON_FILE = "supervisord-gpu.toml"
+MAX_GPU_INDEX = 1023
+MAX_PROCESSES = 256
+ROUTER = "router"
+
+OPTION_KEY_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+HUMAN_INT_RE = re.compile(r"^\s*(\d+)\s*(k|K|m|M|g|G|Ki|Mi|Gi)?\s*$")
+_SI = {"": 1, "k": 10**3, "K": 10**3, "m": 10**6, "M": 10**6, "g": 10**9, "G": 10**9}
+_IEC = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+
+# Flags the structured keys own: setting them in options would silently fight the profile.
+SERVER_MANAGED = {
+    "model-path": "model_path",
+    "model": "model_path",
+    "host": "host",
+    "port": "port",
+    "disaggregation-mode": "role",
+    "base-gpu-id": "gpus",
+}
+ROUTER_MANAGED = {
+    "host": "host",
+    "port": "port",
+    "worker-urls": "workers",
+    "pd-disaggregation": "mode",
+    "prefill": "prefill",
+    "decode": "decode",
+}
+
+
+def resolve_config_dir(cli_value: str | None = None) -> Path:
+    if cli_value:
+        return Path(cli_value)
+    env = os.environ.get(CONFIG_DIR_ENV)
+    return Path(env) if env else DEFAULT_CONFIG_DIR
+
+
+def read_toml(path: Path, strict_modes: bool = False) -> dict[str, Any]:
+    """Parse one TOML file; every way it can be unreadable becomes a ConfigError."""
+    try:
+        if strict_modes:
+            check_modes(path)
+        data = path.read_bytes()
+    except ConfigError:
+        raise
+    except IsADirectoryError:
+        raise ConfigError(path, "", "is a directory, not a file")
+    except FileNotFoundError:
+        raise ConfigError(path, "", "does not exist")
+    except PermissionError:
+        raise ConfigError(path, "", "cannot be read (permission denied)")
+    except OSError as e:
+        raise ConfigError(path, "", f"cannot be read ({e.strerror})")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ConfigError(path, "", f"is not valid UTF-8 (line {line}, byte {e.start})")
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(path, "", f"is not valid TOML: {e}")
+    except RecursionError:
+        raise ConfigError(path, "", "is not valid TOML: nested too deeply")
+
+
+def check_modes(path: Path) -> None:
+    """Refuse files a non-root user could have written, as sshd's StrictModes does."""
+    if os.geteuid() != 0:
+        return
+    for target in (path, path.parent):
+        try:
+            st = target.stat()
+        except OSError:
+            continue
+        if st.st_uid != 0 or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise ConfigError(
+                target,
+                "",
+                f"is writable by non-root users (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}); "
+                f"refusing to run it as root: chown root {target} && chmod go-w {target}",
+            )
+
+
+# ----------------------------------------------------------------------------- daemon config
+
+
+def load_daemon_config(config_dir: Path | str | None = None) -> DaemonConfig:
+    cdir = resolve_config_dir(str(config_dir) if config_dir else None)
+    path = cdir / DAEMON_FILE
+    if not path.exists():
+        if not cdir.is_dir():
+            raise ConfigError(cdir, "", "config directory does not exist (use --config-dir or SUPERVISORD_GPU_CONFIG_DIR)")
+        return DaemonConfig(path=None, config_dir=cdir)
+    top = Table(path, "", read_toml(path))
+
+    d = top.table("daemon")
+    ownership = d.str("ownership", "auto", choices=("auto", "systemd", "cgroupfs", "session"))
+    cgroup_root = d.str("cgroup_root", None)
+    leftovers = d.str("leftovers", "clean", choices=("clean", "refuse"))
+    runtime_dir = Path(d.str("runtime_dir", "/run/supervisord-gpu"))
+    default_user = d.str("default_user", None)
+    strict_modes = d.bool("strict_modes", True)
+    control_group = d.str("control_group", "gpusup")
+    d.finish()
+
+    s = top.table("sglang")
+    server_command = s.list("server_command", _nonempty_str(path), ("python3", "-m", "sglang.launch_server"))
+    router_command = s.list("router_command", _nonempty_str(path), ("python3", "-m", "sglang_router.launch_router"))
+    for name, cmd in (("server_command", server_command), ("router_command", router_command)):
+        if not cmd:
+            raise s.error(name, "must not be empty")
+    s.finish()
+
+    g = top.table("gpus")
+    backend = g.str("backend", "auto", choices=("auto", "nvml", "simulated"))
+    tolerance = g.int("idle_tolerance_mib", 256, lo=0, hi=1 << 20)
+    wait_idle = g.number("wait_idle_timeout", 60.0, lo=0.1, hi=86400)
+    base = g.table("baseline_mib")
+    baselines = []
+    for key, value in base.items():
+        if not key.isdigit() or int(key) > MAX_GPU_INDEX:
+            raise base.error(key, "must be a GPU index (\"0\", \"1\", ...)")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 20:
+            raise base.error(key, f"must be an integer number of MiB, not {value!r}")
+        baselines.append((int(key), value))
+    g.finish()
+
+    r = top.table("rehearsal")
+    rehearsal = RehearsalConfig(
+        enabled=r.bool("enabled", False),
+        gpu_count=r.int("gpu_count", 8, lo=1, hi=64),
+        gpu_memory_mib=r.int("gpu_memory_mib", 143771, lo=1024, hi=1 << 24),
+        server_startup_s=r.number("server_startup", 3.0, lo=0.0, hi=3600),
+        server_mib_per_gpu=r.int("server_mib_per_gpu", 100000, lo=0, hi=1 << 24),
+        router=r.str("router", "auto", choices=("auto", "real", "standin")),
+        simgpu_dir=r.str("simgpu_dir", None),
+    )
+    r.finish()
+
+    m = top.table("metrics")
+    metrics = MetricsConfig(m.bool("enabled", False), m.str("host", "127.0.0.1"), m.port("port", 9464))
+    m.finish()
+    top.finish()
+    return DaemonConfig(
+        path=path,
+        config_dir=cdir,
+        ownership=ownership,
+        cgroup_root=cgroup_root,
+        leftovers=leftovers,
+        runtime_dir=runtime_dir,
+        default_user=default_user,
+        strict_modes=strict_modes,
+        control_group=control_group,
+        sglang_command=server_command,
+        router_command=router_command,
+        gpus=GpuConfig(backend, tolerance, tuple(baselines), wait_idle),
+        rehearsal=rehearsal,
+        metrics=metrics,
+    )
+
+
+def _nonempty_str(path: Path):  # type: ignore[no-untyped-def]
+    def item(value: Any, key: str) -> str:
+        if not isinstance(value, str) or not value or "\x00" in value:
+            raise ConfigError(path, key, f"must be a non-empty string, not {type_name(value)}")
+        return value
+
+    return item
+
+
+# ----------------------------------------------------------------------------- profiles
+
+
+def list_profiles(cfg: DaemonConfig) -> list[str]:
+    try:
+        return sorted(p.stem for p in cfg.profiles_dir.glob("*.toml") if INSTANCE_NAME_RE.match(p.stem))
+    except OSError:
+        return []
+
+
+def profile_path(cfg: DaemonConfig, name: str) -> Path:
+    if not INSTANCE_NAME_RE.match(name or ""):
+        raise ConfigError(cfg.profiles_dir, "", f"{name!r} is not a valid profile name (letters, digits, '.', '_', '-')")
+    path = cfg.profiles_dir / f"{name}.toml"
+    if not path.exists():
+        known = ", ".join(list_profiles(cfg)) or "none"
+        raise ConfigError(path, "", f"unknown profile {name!r} (profiles in {cfg.profiles_dir}: {known})")
+    return path
+
+
+def load_profile(cfg: DaemonConfig, name: str) -> Profile:
+    path = profile_path(cfg, name)
+    return parse_profile(name, path, read_toml(path, strict_modes=cfg.strict_modes), cfg.default_user)
+
+
+def parse_profile(name: str, path: Path, data: dict[str, Any], default_user: str | None = None) -> Profile:
+    top = Table(path, "", data)
+    description = top.str("description", "")
+    takeover = top.bool("takeover", True)
+    rollback = top.bool("rollback", True)
+    stop_order_raw = top.list("stop_order", _process_name(path), None)
+
+    rt = top.table("restart")
+    restart = RestartPolicy(
+        mode=rt.str("mode", "on-failure", choices=("never", "on-failure", "always")),
+        max_restarts=rt.int("max_restarts", 5, lo=0, hi=1000),
+        window_s=rt.number("window", 600.0, lo=1.0, hi=7 * 86400),
+        backoff_initial_s=rt.number("backoff_initial", 1.0, lo=0.0, hi=3600),
+        backoff_max_s=rt.number("backoff_max", 30.0, lo=0.0, hi=3600),
+    )
+    rt.finish()
+
+    df = top.table("defaults")
+    defaults = {
+        "user": df.str("user", default_user),
+        "start_timeout": df.number("start_timeout", None, lo=0.1, hi=86400),
+        "stop_timeout": df.number("stop_timeout", None, lo=0.1, hi=86400),
+    }
+    default_env = _env(df.table("env"))
+    df.finish()
+
+    servers_t = top.table("servers", required=True)
+    specs: list[ProcessSpec] = []
+    for sname, sdata in servers_t.items():
+        specs.append(_server(path, sname, sdata, defaults, default_env))
+    if not specs:
+        raise ConfigError(path, "servers", "must define at least one server")
+    if top.has(ROUTER):
+        specs.append(_router(path, top.raw(ROUTER), specs, defaults, default_env))
+    top.finish()
+    if len(specs) > MAX_PROCESSES:
+        raise ConfigError(path, "servers", f"too many processes ({len(specs)}; at most {MAX_PROCESSES})")
+
+    _check_gpus(path, specs)
+    _check_ports(path, specs)
+    ordered = _start_order(path, specs)
+    stop_order = _stop_order(path, ordered, stop_order_raw)
+    return Profile(
+        name=name,
+        path=path,
+        description=description,
+        processes=tuple(ordered),
+        stop_order=stop_order,
+        restart=restart,
+        takeover=takeover,
+        rollback=rollback,
+    )
+
+
+def _process_name(path: Path):  # type: ignore[no-untyped-def]
+    def item(value: Any, key: str) -> str:
+        if not isinstance(value, str):
+            raise ConfigError(path, key, f"must be a process name, not {type_name(value)}")
+        return value
+
+    return item
+
+
+def _gpu_index(path: Path):  # type: ignore[no-untyped-def]
+    def item(value: Any, key: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, key, f"must be a GPU index (an integer), not {type_name(value)}")
+        if not 0 <= value <= MAX_GPU_INDEX:
+            raise ConfigError(path, key, f"must be a GPU index between 0 and {MAX_GPU_INDEX}, not {value}")
+        return value
+
+    return item
+
+
+def _common(t: Table, defaults: dict[str, Any], start_default: float, stop_default: float) -> dict[str, Any]:
+    host = t.str("host", "127.0.0.1")
+    if not host or any(c.isspace() for c in host):
+        raise t.error("host", f"must be an address, not {host!r}")
+    after = t.list("after", _process_name(Path(t.path)), None)
+    start_timeout = t.number("start_timeout", defaults["start_timeout"] or start_default, lo=0.1, hi=86400)
+    stop_timeout = t.number("stop_timeout", defaults["stop_timeout"] or stop_default, lo=0.1, hi=86400)
+    user = t.str("user", defaults["user"])
+    return {
+        "host": host,
+        "after": after,
+        "start_timeout_s": float(start_timeout),
+        "stop_timeout_s": float(stop_timeout),
+        "user": user,
+    }
+
+
+def _probe(t: Table, path_default: str, interval_default: float) -> Probe:
+    p = t.table("probe")
+    probe = Probe(
+        path=p.str("path", path_default),
+        interval_s=p.number("interval", interval_default, lo=0.01, hi=600),
+        timeout_s=p.number("timeout", 5.0, lo=0.05, hi=600),
+    )
+    if not probe.path.startswith("/"):
+        raise p.error("path", f"must start with '/', not {probe.path!r}")
+    p.finish()
+    return probe
+
+
+def _server(path: Path, name: str, data: Any, defaults: dict[str, Any], default_env: tuple) -> ProcessSpec:
+    key = f"servers.{name}"
+    if not PROCESS_NAME_RE.match(name) or name in (ROUTER, "daemon"):
+        raise ConfigError(path, key, "a server name must be lower-case letters, digits and '_' (not 'router' or 'daemon')")
+    t = Table(path, key, data)
+    role = t.str("role", "regular", choices=("regular", "prefill", "decode"))
+    gpus = t.list("gpus", _gpu_index(path))
+    if not gpus:
+        raise t.error("gpus", "must list at least one GPU")
+    seen: set[int] = set()
+    for g in gpus:
+        if g in seen:
+            raise t.error("gpus", f"GPU {g} is listed twice")
+        seen.add(g)
+    port = t.port("port")
+    model_path = t.str("model_path")
+    if not model_path.strip():
+        raise t.error("model_path", "must not be empty")
+    common = _common(t, defaults, 900.0, 60.0)
+    probe = _probe(t, "/health", 0.5)
+    options = _options(t.table("options"), SERVER_MANAGED)
+    env = default_env + _env(t.table("env"))
+    t.finish()
+    spec = ProcessSpec(
+        name=name,
+        kind="server",
+        role=role,
+        host=common["host"],
+        port=port,
+        gpus=gpus,
+        model_path=model_path,
+        options=options,
+        env=env,
+        user=common["user"],
+        after=common["after"] or (),
+        probe=probe,
+        start_timeout_s=common["start_timeout_s"],
+        stop_timeout_s=common["stop_timeout_s"],
+    )
+    _check_parallelism(path, key, spec)
+    return spec
+
+
+def _check_parallelism(path: Path, key: str, spec: ProcessSpec) -> None:
+    needed = 1
+    for opt in ("tp-size", "tensor-parallel-size", "pp-size", "pipeline-parallel-size"):
+        value = spec.option(opt)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(path, f"{key}.options.{opt}", f"must be a positive integer, not {value!r}")
+            needed *= value
+    if needed > len(spec.gpus):
+        raise ConfigError(path, f"{key}.gpus", f"lists {len(spec.gpus)} GPU(s) but the parallelism options need {needed}")
+
+
+def _router(path: Path, data: Any, servers: list[ProcessSpec], defaults: dict[str, Any], default_env: tuple) -> ProcessSpec:
+    t = Table(path, ROUTER, data)
+    mode = t.str("mode", "regular", choices=("regular", "pd"))
+    port = t.port("port")
+    by_name = {s.name: s for s in servers}
+
+    def refs(field: str, role: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
+        names = t.list(field, _process_name(path), default)
+        for i, n in enumerate(names):
+            if n not in by_name:
+                raise ConfigError(path, f"router.{field}[{i}]", f"no server named {n!r} (servers: {', '.join(by_name)})")
+            if role and by_name[n].role != role:
+                raise ConfigError(path, f"router.{field}[{i}]", f"server {n!r} has role {by_name[n].role!r}, not {role!r}")
+        if len(set(names)) != len(names):
+            raise t.error(field, "lists a server twice")
+        return names
+
+    workers: tuple[str, ...] = ()
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    if mode == "pd":
+        prefill = refs("prefill", "prefill", tuple(s.name for s in servers if s.role == "prefill"))
+        decode = refs("decode", "decode", tuple(s.name for s in servers if s.role == "decode"))
+        if not prefill or not decode:
+            raise t.error("mode", "\"pd\" needs at least one prefill and one decode server")
+        if t.has("workers"):
+            raise t.error("workers", "is for mode \"regular\"; in \"pd\" mode use prefill and decode")
+    else:
+        workers = refs("workers", "regular", tuple(s.name for s in servers if s.role == "regular"))
+        if not workers:
+            raise t.error("workers", "the router fronts no server")
+        for f in ("prefill", "decode"):
+            if t.has(f):
+                raise t.error(f, "is for mode \"pd\"")
+    common = _common(t, defaults, 120.0, 200.0)
+    fronted = workers + prefill + decode
+    probe = _probe(t, "/readiness", 0.2)
+    options = _options(t.table("options"), ROUTER_MANAGED)
+    env = default_env + _env(t.table("env"))
+    t.finish()
+    return ProcessSpec(
+        name=ROUTER,
+        kind="router",
+        role="router",
+        host=common["host"],
+        port=port,
+        gpus=(),
+        model_path=None,
+        options=options,
+        env=env,
+        user=common["user"],
+        after=common["after"] if common["after"] is not None else fronted,
+        probe=probe,
+        start_timeout_s=common["start_timeout_s"],
+        stop_timeout_s=common["stop_timeout_s"],
+        router_mode=mode,
+        workers=workers,
+        prefill=prefill,
+        decode=decode,
+    )
+
+
+def _options(t: Table, managed: dict[str, str]) -> tuple[tuple[str, OptionValue], ...]:
+    out: list[tuple[str, OptionValue]] = []
+    for k, v in t.items():
+        key = t.key(k)
+        if not OPTION_KEY_RE.match(k):
+            hint = f" (write {k.replace('_', '-').lower()!r})" if "_" in k else ""
+            raise ConfigError(t.path, key, "must be a full long option name without '--', like 'tp-size'" + hint)
+        if k in managed:
+            raise ConfigError(t.path, key, f"is set by the profile key {managed[k]!r}; remove it from options")
+        if k == "context-length":
+            v = parse_context_length(t.path, key, v)
+        elif isinstance(v, list):
+            if not all(isinstance(x, (str, int, float)) and not isinstance(x, bool) for x in v):
+                raise ConfigError(t.path, key, "a list option may hold only strings and numbers")
+            v = tuple(str(x) for x in v)
+        elif isinstance(v, float) and v != v:
+            raise ConfigError(t.path, key, "must be a number, not NaN")
+        elif not isinstance(v, (str, int, float, bool)):
+            raise ConfigError(t.path, key, f"must be a string, number, boolean or list, not {type_name(v)}")
+        if isinstance(v, str) and ("\x00" in v):
+            raise ConfigError(t.path, key, "must not contain NUL characters")
+        out.append((k, v))
+    return tuple(out)
+
+
+def parse_context_length(path: str, key: str, value: Any) -> int:
+    """SGLang's human-readable ints: 512k = 512000 (SI), 512Ki = 524288 (IEC)."""
+    if isinstance(value, bool):
+        raise ConfigError(path, key, "must be a number of tokens, not a boolean")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str) and (m := HUMAN_INT_RE.match(value)):
+        suffix = m[2] or ""
+        n = int(m[1]) * (_IEC.get(suffix) or _SI[suffix])
+    else:
+        raise ConfigError(path, key, f"must be a number of tokens (e.g. 524288, \"512k\" or \"512Ki\"), not {value!r}")
+    if not 1 <= n <= 1 << 40:
+        raise ConfigError(path, key, f"must be a positive number of tokens, not {n}")
+    return n
+
+
+def _env(t: Table) -> tuple[tuple[str, str], ...]:
+    out = []
+    for k, v in t.items():
+        if not ENV_KEY_RE.match(k):
+            raise ConfigError(t.path, t.key(k), "is not a valid environment variable name")
+        if k == "CUDA_VISIBLE_DEVICES":
+            raise ConfigError(t.path, t.key(k), "is set from the process's gpus; list them there")
+        if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+            raise ConfigError(t.path, t.key(k), f"must be a string, not {type_name(v)}")
+        v = str(v)
+        if "\x00" in v:
+            raise ConfigError(t.path, t.key(k), "must not contain NUL characters")
+        out.append((k, v))
+    return tuple(out)
+
+
+def _check_gpus(path: Path, specs: list[ProcessSpec]) -> None:
+    owner: dict[int, str] = {}
+    for s in specs:
+        for g in s.gpus:
+            if g in owner:
+                raise ConfigError(path, f"servers.{s.name}.gpus", f"GPU {g} is also used by servers.{owner[g]}")
+            owner[g] = s.name
+
+
+def _hosts_overlap(a: str, b: str) -> bool:
+    wild = ("0.0.0.0", "::", "")
+    return a == b or a in wild or b in wild
+
+
+def _check_ports(path: Path, specs: list[ProcessSpec]) -> None:
+    seen: list[tuple[str, int, str, str]] = []
+    for s in specs:
+        where = ROUTER if s.kind == "router" else f"servers.{s.name}"
+        for listen in s.listens():
+            for host, port, label, other_where in seen:
+                if port == listen.port and _hosts_overlap(host, listen.host):
+                    raise ConfigError(path, f"{where}.port", f"port {port} ({listen.label}) is also used by {label} ({other_where})")
+            seen.append((listen.host, listen.port, listen.label, where))
+
+
+_START_RANK = {"prefill": 0, "regular": 1, "decode": 2, "router": 3}
+_STOP_RANK = {"router": 0, "decode": 1, "regular": 2, "prefill": 3}
+
+
+def _start_order(path: Path, specs: list[ProcessSpec]) -> list[ProcessSpec]:
+    by_name = {s.name: s for s in specs}
+    for s in specs:
+        where = ROUTER if s.kind == "router" else f"servers.{s.name}"
+        for i, dep in enumerate(s.after):
+            if dep not in by_name:
+                raise ConfigError(path, f"{where}.after[{i}]", f"no process named {dep!r}")
+            if dep == s.name:
+                raise ConfigError(path, f"{where}.after[{i}]", "a process cannot wait for itself")
+    order: list[ProcessSpec] = []
+    done: set[str] = set()
+    remaining = list(specs)
+    while remaining:
+        ready = [s for s in remaining if all(d in done for d in s.after)]
+        if not ready:
+            raise ConfigError(path, "after", "dependency cycle: " + _describe_cycle(remaining))
+        ready.sort(key=lambda s: _START_RANK[s.role])
+        for s in ready:
+            order.append(s)
+            done.add(s.name)
+            remaining.remove(s)
+    return order
+
+
+def _describe_cycle(remaining: list[ProcessSpec]) -> str:
+    by_name = {s.name: s for s in remaining}
+    node = remaining[0].name
+    path: list[str] = []
+    while node not in path:
+        path.append(node)
+        node = next(d for d in by_name[node].after if d in by_name)
+    cycle = path[path.index(node):] + [node]
+    return " -> ".join(cycle)
+
+
+def _stop_order(path: Path, ordered: list[ProcessSpec], explicit: tuple[str, ...] | None) -> tuple[str, ...]:
+    names = [s.name for s in ordered]
+    if explicit is not None:
+        if sorted(explicit) != sorted(names):
+            raise ConfigError(path, "stop_order", f"must list every process exactly once ({', '.join(names)})")
+        return tuple(explicit)
+    dependants = {s.name: {o.name for o in ordered if s.name in o.after} for s in ordered}
+    out: list[str] = []
+    left = {s.name: s for s in ordered}
+    while left:
+        free = [s for s in left.values() if not (dependants[s.name] & left.keys())]
+        free.sort(key=lambda s: (_STOP_RANK[s.role], -names.index(s.name)))
+        out.append(free[0].name)
+        del left[free[0].name]
+    return tuple(out)

@@ -1,0 +1,180 @@
+"""Plain data for configuration: frozen dataclasses, built only by the loader after validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+OptionValue = str | int | float | bool | tuple[str, ...]
+
+Role = Literal["regular", "prefill", "decode", "router"]
+
+
+@dataclass(frozen=True)
+class Probe:
+    """How readiness is observed: an HTTP GET that must answer 200."""
+
+    path: str
+    interval_s: float
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    mode: Literal["never", "on-failure", "always"] = "on-failure"
+    max_restarts: int = 5
+    window_s: float = 600.0
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 30.0
+
+    def backoff(self, attempt: int) -> float:
+        """Delay before the `attempt`-th restart (1-based): doubling, capped."""
+        return min(self.backoff_max_s, self.backoff_initial_s * (2 ** max(0, attempt - 1)))
+
+
+@dataclass(frozen=True)
+class Listen:
+    """One address a process will listen on, checked free before start."""
+
+    host: str
+    port: int
+    label: str
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    name: str
+    kind: Literal["server", "router"]
+    role: Role
+    host: str
+    port: int
+    gpus: tuple[int, ...]
+    model_path: str | None
+    options: tuple[tuple[str, OptionValue], ...]
+    env: tuple[tuple[str, str], ...]
+    user: str | None
+    after: tuple[str, ...]
+    probe: Probe
+    start_timeout_s: float
+    stop_timeout_s: float
+    # router only
+    router_mode: Literal["regular", "pd"] | None = None
+    workers: tuple[str, ...] = ()
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+
+    def option(self, key: str, default: OptionValue | None = None) -> OptionValue | None:
+        for k, v in self.options:
+            if k == key:
+                return v
+        return default
+
+    @property
+    def probe_host(self) -> str:
+        """Where to reach a server that listens on a wildcard address."""
+        if self.host in ("0.0.0.0", ""):
+            return "127.0.0.1"
+        if self.host == "::":
+            return "::1"
+        return self.host
+
+    @property
+    def url(self) -> str:
+        host = self.probe_host
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    @property
+    def bootstrap_port(self) -> int | None:
+        if self.role != "prefill":
+            return None
+        return int(self.option("disaggregation-bootstrap-port", 8998))  # type: ignore[arg-type]
+
+    def listens(self) -> tuple[Listen, ...]:
+        out = [Listen(self.host, self.port, self.name)]
+        if self.role == "prefill":
+            out.append(Listen(self.host, self.bootstrap_port or 8998, f"{self.name} bootstrap"))
+        if self.kind == "router":
+            out.append(
+                Listen(
+                    str(self.option("prometheus-host", "0.0.0.0")),
+                    int(self.option("prometheus-port", 29000)),  # type: ignore[arg-type]
+                    f"{self.name} metrics",
+                )
+            )
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    path: Path
+    description: str
+    processes: tuple[ProcessSpec, ...]  # in a valid start order
+    stop_order: tuple[str, ...]
+    restart: RestartPolicy
+    takeover: bool
+    rollback: bool
+
+    def process(self, name: str) -> ProcessSpec:
+        for p in self.processes:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    @property
+    def gpus(self) -> frozenset[int]:
+        return frozenset(g for p in self.processes for g in p.gpus)
+
+    def listens(self) -> tuple[Listen, ...]:
+        return tuple(listen for p in self.processes for listen in p.listens())
+
+
+@dataclass(frozen=True)
+class RehearsalConfig:
+    """The explicit no-GPU mode: stand-in servers, simulated GPUs."""
+
+    enabled: bool = False
+    gpu_count: int = 8
+    gpu_memory_mib: int = 143771
+    server_startup_s: float = 3.0
+    server_mib_per_gpu: int = 100000
+    router: Literal["auto", "real", "standin"] = "auto"
+    simgpu_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    backend: Literal["auto", "nvml", "simulated"] = "auto"
+    idle_tolerance_mib: int = 256
+    baseline_mib: tuple[tuple[int, int], ...] = ()
+    wait_idle_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 9464
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    path: Path | None
+    config_dir: Path
+    ownership: Literal["auto", "systemd", "cgroupfs", "session"] = "auto"
+    cgroup_root: str | None = None
+    leftovers: Literal["clean", "refuse"] = "clean"
+    runtime_dir: Path = Path("/run/supervisord-gpu")
+    default_user: str | None = None
+    strict_modes: bool = True
+    control_group: str = "gpusup"
+    sglang_command: tuple[str, ...] = ("python3", "-m", "sglang.launch_server")
+    router_command: tuple[str, ...] = ("python3", "-m", "sglang_router.launch_router")
+    gpus: GpuConfig = field(default_factory=GpuConfig)
+    rehearsal: RehearsalConfig = field(default_factory=RehearsalConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    @property
+    def profiles_dir(self) -> Path:
+        return self.config_dir / "profiles"

@@ -1,0 +1,209 @@
+"""The cgroupfs driver: a cgroup v2 directory per process under a root the daemon is given.
+
+Used where systemd is not our parent (the device machine, rehearsal in a terminal, tests).
+`cgroup.kill` (Linux 5.14+) kills everything in a cgroup in one write, and `cgroup.events`
+says `populated 0` the moment the last member is gone, so neither kill nor wait needs a
+process walk or a sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import signal
+import time
+from pathlib import Path
+
+from ..errors import OwnershipError
+from .base import OwnershipDriver, ProcessGroup
+from .inotify import Inotify
+from .names import CGROUPFS_ROOT_NAME
+
+
+def cgroup2_mount() -> Path | None:
+    """Where cgroup v2 is mounted: /sys/fs/cgroup on unified hosts, .../unified on hybrid ones."""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 3 and fields[2] == "cgroup2":
+                    return Path(fields[1])
+    except OSError:
+        return None
+    return None
+
+
+def own_cgroup() -> str:
+    """This process's cgroup v2 path (the "0::" line of /proc/self/cgroup)."""
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            if line.startswith("0::"):
+                return line[3:].strip()
+    return "/"
+
+
+def default_root() -> Path | None:
+    mount = cgroup2_mount()
+    return None if mount is None else mount / CGROUPFS_ROOT_NAME
+
+
+def writable(root: Path) -> bool:
+    """Whether we can create cgroups under `root` (creating it if needed)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".probe-{os.getpid()}"
+        probe.mkdir()
+        ok = (probe / "cgroup.procs").exists()
+        probe.rmdir()
+        return ok
+    except OSError:
+        return False
+
+
+class CgroupDir(ProcessGroup):
+    """One cgroup v2 directory."""
+
+    def __init__(self, path: Path, mount: Path) -> None:
+        self.path = path
+        self.name = str(path)
+        self.cgroup = "/" + str(path.relative_to(mount))
+
+    def pids(self) -> list[int]:
+        pids: set[int] = set()
+        for dirpath, _dirs, files in os.walk(self.path):
+            if "cgroup.procs" in files:
+                try:
+                    with open(os.path.join(dirpath, "cgroup.procs")) as f:
+                        pids.update(int(x) for x in f.read().split())
+                except FileNotFoundError:
+                    continue
+        return sorted(pids)
+
+    def populated(self) -> bool:
+        try:
+            with open(self.path / "cgroup.events") as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == "populated":
+                        return value.strip() == "1"
+        except FileNotFoundError:
+            return False
+        return bool(self.pids())
+
+    def kill_all(self, sig: int = signal.SIGKILL) -> None:
+        if sig == signal.SIGKILL and (self.path / "cgroup.kill").exists():
+            try:
+                (self.path / "cgroup.kill").write_text("1")
+                return
+            except FileNotFoundError:
+                return
+        for pid in self.pids():  # older kernels, or another signal: every member by PID
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    async def wait_empty(self, timeout: float | None) -> bool:
+        if not self.populated():
+            return True
+        loop = asyncio.get_running_loop()
+        ino = Inotify()
+        changed = asyncio.Event()
+        try:
+            try:
+                ino.watch(str(self.path / "cgroup.events"))
+            except FileNotFoundError:
+                return True
+            loop.add_reader(ino.fd, lambda: (ino.drain(), changed.set()))
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self.populated():
+                changed.clear()
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                try:
+                    await asyncio.wait_for(changed.wait(), remaining)
+                except asyncio.TimeoutError:
+                    return not self.populated()
+            return True
+        finally:
+            loop.remove_reader(ino.fd)
+            ino.close()
+
+    async def release(self) -> None:
+        remove_tree(self.path)
+
+
+def remove_tree(path: Path) -> None:
+    """rmdir a cgroup and its children, deepest first (cgroupfs allows only rmdir)."""
+    if not path.exists():
+        return
+    for dirpath, dirs, _files in os.walk(path, topdown=False):
+        for d in dirs:
+            _rmdir(Path(dirpath) / d)
+    _rmdir(path)
+
+
+def _rmdir(path: Path) -> None:
+    try:
+        path.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        if e.errno != errno.EBUSY:
+            raise
+
+
+class CgroupfsDriver(OwnershipDriver):
+    """Sub-cgroups `<root>/<instance>/<process>` that we create, own and remove."""
+
+    name = "cgroupfs"
+
+    def __init__(self, root: Path, mount: Path | None = None) -> None:
+        self.mount = mount or cgroup2_mount()
+        if self.mount is None:
+            raise OwnershipError("no cgroup v2 hierarchy is mounted (looked in /proc/self/mounts)")
+        self.root = Path(root)
+        if not writable(self.root):
+            raise OwnershipError(f"cannot create cgroups under {self.root} (need root and a writable cgroup v2)")
+
+    def _instance_dir(self, instance: str) -> Path:
+        return self.root / instance
+
+    async def reclaim_leftovers(self, instance: str, policy: str) -> list[str]:
+        inst_dir = self._instance_dir(instance)
+        if not inst_dir.exists():
+            return []
+        cleaned: list[str] = []
+        for child in sorted(p for p in inst_dir.iterdir() if p.is_dir()):
+            group = CgroupDir(child, self.mount)  # type: ignore[arg-type]
+            pids = group.pids()
+            if pids and policy == "refuse":
+                raise OwnershipError(
+                    f"leftover cgroup {child} of a previous run still holds pids {pids}; "
+                    f"stop them (echo 1 > {child}/cgroup.kill) or set leftovers = \"clean\""
+                )
+            if pids:
+                group.kill_all()
+                if not await group.wait_empty(10.0):
+                    raise OwnershipError(f"leftover cgroup {child} did not empty after cgroup.kill")
+                cleaned.append(f"{child} (killed pids {pids})")
+            await group.release()
+        remove_tree(inst_dir)
+        return cleaned
+
+    async def _create_group(self, instance: str, process: str) -> ProcessGroup:
+        path = self._instance_dir(instance) / process
+        if path.exists():
+            group = CgroupDir(path, self.mount)  # type: ignore[arg-type]
+            if group.populated():
+                raise OwnershipError(f"cgroup {path} is still populated (pids {group.pids()})")
+            remove_tree(path)
+        path.mkdir(parents=True)
+        return CgroupDir(path, self.mount)  # type: ignore[arg-type]
+
+    async def _adopt(self, group: ProcessGroup, pid: int) -> ProcessGroup:
+        assert isinstance(group, CgroupDir)
+        (group.path / "cgroup.procs").write_text(str(pid))
+        return group
