@@ -1,0 +1,29 @@
+"""What every command-line edge shares: one line per error, the documented exit codes."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from ..errors import EXIT_USAGE, SupervisorError
+
+
+def guarded(prog: str, fn: Callable[[], int]) -> int:
+    """Run `fn`; a SupervisorError becomes one line on stderr and its exit code, never a traceback."""
+    try:
+        return fn()
+    except SupervisorError as e:
+        first, _, rest = str(e).partition("\n")
+        sys.stderr.write(f"{prog}: {first}\n")
+        if rest:
+            sys.stderr.write(rest + "\n")
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def exit_usage(prog: str, message: str) -> int:
+    sys.stderr.write(f"{prog}: {message}\n")
+    return EXIT_USAGE

@@ -1,0 +1,37 @@
+"""`supervisord-gpu run NAME`: the daemon for one instance, as started by dsv4@NAME.service."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .common import guarded
+
+PROG = "supervisord-gpu"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Supervise one SGLang deployment (a profile) through cgroups.")
+    p.add_argument("--version", action="version", version="%(prog)s 0.1.0")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = sub.add_parser("run", help="run the instance NAME until stopped (what dsv4@NAME.service runs)")
+    run.add_argument("name", metavar="NAME", help="profile name: profiles/NAME.toml in the config directory")
+    run.add_argument("--config-dir", help="configuration directory (default: $SUPERVISORD_GPU_CONFIG_DIR or /etc/supervisord-gpu)")
+    run.add_argument("--rehearsal", action="store_true", help="stand-in servers on simulated GPUs (no GPU, no SGLang)")
+    run.add_argument("--stderr", action="store_true", help="log to stderr even under systemd")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+
+    def go() -> int:
+        from ..daemon import RunOptions, run
+
+        return run(args.name, args.config_dir, RunOptions(rehearsal=args.rehearsal, force_stderr=args.stderr))
+
+    return guarded(PROG, go)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

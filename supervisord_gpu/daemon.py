@@ -1,0 +1,123 @@
+"""The daemon's assembly: config -> profile -> driver -> instance, then serve until told to stop.
+
+`supervisord-gpu run NAME` (under systemd) and `gpusupctl rehearse NAME` (in a terminal)
+both come here; rehearsal only swaps SGLang for stand-ins and NVML for simulated GPUs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .config.loader import load_daemon_config, load_profile
+from .config.model import DaemonConfig, Profile
+from .config.render import render
+from .engine.events import Event
+from .engine.instance import Instance
+from .errors import EXIT_FAILED, EXIT_OK, SupervisorError
+from .ownership import choose_driver
+from .systemd.journal import open_sink
+from .systemd.notify import Notifier, status_text
+
+
+@dataclass
+class RunOptions:
+    rehearsal: bool = False
+    force_stderr: bool = False
+    #: called once the instance is ready (rehearsal uses it to demo, tests to act)
+    on_ready: Callable[[Instance], None] | None = None
+    stop_after_ready: bool = False
+    listeners: list[Callable[[Event], None]] = field(default_factory=list)
+    notifier: Notifier | None = None
+    quiet_children: bool = False
+
+
+def effective_config(cfg: DaemonConfig, rehearsal: bool) -> DaemonConfig:
+    if rehearsal and not cfg.rehearsal.enabled:
+        return dataclasses.replace(cfg, rehearsal=dataclasses.replace(cfg.rehearsal, enabled=True))
+    return cfg
+
+
+def build_instance(cfg: DaemonConfig, profile: Profile, opts: RunOptions):  # type: ignore[no-untyped-def]
+    """Everything but starting: the driver, the log sink, the rendered launches, the instance."""
+    sink = open_sink(profile.name, force_stderr=opts.force_stderr)
+    if opts.quiet_children and hasattr(sink, "quiet_children"):
+        sink.quiet_children = True
+    for spec in profile.processes:
+        sink.roles[spec.name] = spec.role
+    rehearsal_env = None
+    if cfg.rehearsal.enabled:
+        from .rehearsal.setup import prepare
+
+        _, rehearsal_env = prepare(cfg)
+    driver = choose_driver(cfg.ownership, cfg.cgroup_root, profile.name, warn=lambda m: sink.event(m, 4))
+    launches = render(profile, cfg, rehearsal_env)
+    instance = Instance(profile, launches, driver, sink, leftovers=cfg.leftovers)
+    return instance, sink
+
+
+async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
+    from .preflight import inventory_for, refuse_unless_clear
+
+    loop = asyncio.get_running_loop()
+    instance, sink = build_instance(cfg, profile, opts)
+    notifier = opts.notifier or Notifier()
+    notifier.attach(instance)
+    instance.listeners.extend(opts.listeners)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    sink.event(
+        f"instance {profile.name}: {len(profile.processes)} process(es), ownership driver {instance.owner.name}"
+        + (" (REHEARSAL: stand-in servers, simulated GPUs)" if cfg.rehearsal.enabled else ""),
+        6,
+        GPUSUP_EVENT="begin",
+    )
+    keepalive = loop.create_task(notifier.run(instance, healthy=lambda: instance.state.value != "failed"))
+    try:
+        inventory = inventory_for(cfg, cfg.rehearsal.enabled)
+        start = loop.create_task(instance.start(preflight=lambda: refuse_unless_clear(profile, inventory)))
+        stopper = loop.create_task(stop.wait())
+        await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if not start.done():  # told to stop while starting: abandon the start, stop in order
+            start.cancel()
+            try:
+                await start
+            except (asyncio.CancelledError, SupervisorError):
+                pass
+            notifier.send("STOPPING=1")
+            return EXIT_OK
+        stopper.cancel()
+        exc = start.exception()
+        if exc is not None:
+            notifier.status(status_text(instance.status()))
+            sink.event(str(exc), 3, GPUSUP_EVENT="start-failed")
+            raise exc
+        if opts.on_ready:
+            opts.on_ready(instance)
+        if not opts.stop_after_ready:
+            failed = loop.create_task(instance.failed.wait())
+            stopper = loop.create_task(stop.wait())
+            await asyncio.wait({failed, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            failed.cancel()
+            stopper.cancel()
+            if instance.failed.is_set():
+                return EXIT_FAILED
+        await instance.stop("stop requested")
+        return EXIT_OK
+    finally:
+        keepalive.cancel()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def run(profile_name: str, config_dir: str | None, opts: RunOptions) -> int:
+    cfg = effective_config(load_daemon_config(config_dir), opts.rehearsal)
+    profile = load_profile(cfg, profile_name)
+    return asyncio.run(serve(cfg, profile, opts))

@@ -1,0 +1,248 @@
+"""An instance: one profile running. Ordered, parallel-where-possible start; ordered stop; restarts.
+
+The instance is the only owner of its processes' state, and lives on one asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Mapping
+
+from ..config.model import Profile
+from ..config.render import Launch
+from ..errors import StartError, SupervisorError
+from ..ownership.base import OwnershipDriver
+from .events import Event, Listener, LogSink
+from .process import ManagedProcess, ProcessStatus
+from .states import State
+
+Preflight = Callable[[], Awaitable[None]]
+
+
+@dataclass
+class InstanceStatus:
+    name: str
+    state: str
+    reason: str
+    since: float
+    started_at: float | None
+    ready_at: float | None
+    driver: str
+    processes: list[ProcessStatus] = field(default_factory=list)
+    transition: str = ""
+
+
+class Instance:
+    def __init__(
+        self,
+        profile: Profile,
+        launches: list[Launch],
+        owner: OwnershipDriver,
+        sink: LogSink,
+        leftovers: str = "clean",
+        base_env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.profile = profile
+        self.name = profile.name
+        self.owner = owner
+        self.sink = sink
+        self.leftovers = leftovers
+        self.listeners: list[Listener] = []
+        self.state = State.STOPPED
+        self.reason = ""
+        self.since = time.time()
+        self.started_at: float | None = None
+        self.ready_at: float | None = None
+        self.transition = ""
+        self.last_stop_s: float | None = None
+        self.last_start_s: float | None = None
+        env = dict(os.environ if base_env is None else base_env)
+        self.processes: dict[str, ManagedProcess] = {}
+        for launch in launches:
+            proc = ManagedProcess(self.name, launch, owner, sink, self._emit, env)
+            proc.on_unexpected_exit = self._on_unexpected_exit
+            self.processes[launch.spec.name] = proc
+        self._restart_tasks: dict[str, asyncio.Task[None]] = {}
+        self._lock = asyncio.Lock()
+        self.failed = asyncio.Event()  # set when the instance gives up (restart limit)
+
+    # ------------------------------------------------------------------ events and status
+
+    def _emit(self, event: Event) -> None:
+        for listener in list(self.listeners):
+            try:
+                listener(event)
+            except Exception as e:  # a broken listener must not break supervision
+                self.sink.event(f"listener failed: {e!r}", 4)
+
+    def _set_state(self, state: State, reason: str = "") -> None:
+        self.state, self.reason, self.since = state, reason, time.time()
+        self._emit(Event("instance", self.name, reason or state.value, state=state.value))
+
+    def status(self) -> InstanceStatus:
+        return InstanceStatus(
+            name=self.name,
+            state=self.state.value,
+            reason=self.reason,
+            since=self.since,
+            started_at=self.started_at,
+            ready_at=self.ready_at,
+            driver=self.owner.name,
+            processes=[self.processes[p.name].status() for p in self.profile.processes],
+            transition=self.transition,
+        )
+
+    # ------------------------------------------------------------------ start
+
+    async def start(self, preflight: Preflight | None = None) -> None:
+        """Bring every process to ready, or leave nothing running and raise."""
+        async with self._lock:
+            began = time.monotonic()
+            self.started_at = time.time()
+            self._set_state(State.STARTING, "checking")
+            try:
+                cleaned = await self.owner.reclaim_leftovers(self.name, self.leftovers)
+                for item in cleaned:
+                    self.sink.event(f"cleaned leftover cgroup of a previous run: {item}", 4, GPUSUP_EVENT="leftover")
+                if preflight is not None:
+                    await preflight()
+            except SupervisorError as e:
+                self._set_state(State.FAILED, str(e))
+                raise
+            self._set_state(State.STARTING)
+            try:
+                await self._start_all()
+            except BaseException as e:
+                reason = str(e) if isinstance(e, SupervisorError) else f"start-up interrupted ({e.__class__.__name__})"
+                self.sink.event(f"start failed: {reason}; stopping what was started", 3, GPUSUP_EVENT="start-failed")
+                await self._stop_all()
+                self._set_state(State.FAILED, reason.splitlines()[0])
+                if isinstance(e, SupervisorError):
+                    raise
+                raise StartError(reason) from e
+            self.last_start_s = time.monotonic() - began
+            self.ready_at = time.time()
+            self._set_state(State.READY)
+            self.sink.event(
+                f"instance ready in {self.last_start_s:.2f} s",
+                6,
+                GPUSUP_EVENT="instance-ready",
+                GPUSUP_DURATION_S=f"{self.last_start_s:.3f}",
+            )
+
+    async def _start_all(self) -> None:
+        ready: dict[str, asyncio.Event] = {name: asyncio.Event() for name in self.processes}
+
+        async def bring_up(proc: ManagedProcess) -> None:
+            for dep in proc.spec.after:
+                await ready[dep].wait()
+            await proc.start()
+            await proc.wait_ready()
+            ready[proc.name].set()
+
+        async with asyncio.TaskGroup() as tg:  # the first failure cancels the siblings
+            for spec in self.profile.processes:
+                tg.create_task(bring_up(self.processes[spec.name]))
+
+    # ------------------------------------------------------------------ stop
+
+    async def stop(self, reason: str = "") -> float:
+        """Stop every process in the profile's stop order; returns seconds taken."""
+        for task in self._restart_tasks.values():
+            task.cancel()
+        async with self._lock:
+            self._set_state(State.STOPPING, reason)
+            took = await self._stop_all()
+            self._set_state(State.STOPPED, reason)
+            return took
+
+    async def _stop_all(self) -> float:
+        began = time.monotonic()
+        for name in self.profile.stop_order:
+            await self.processes[name].stop()
+        self.last_stop_s = time.monotonic() - began
+        self.ready_at = None
+        self.sink.event(
+            f"all processes stopped in {self.last_stop_s:.3f} s (order: {' -> '.join(self.profile.stop_order)})",
+            6,
+            GPUSUP_EVENT="instance-stopped",
+            GPUSUP_DURATION_S=f"{self.last_stop_s:.3f}",
+        )
+        return self.last_stop_s
+
+    # ------------------------------------------------------------------ restarts
+
+    def _on_unexpected_exit(self, proc: ManagedProcess) -> None:
+        if self.state in (State.STOPPING, State.STOPPED, State.FAILED) or proc.name in self._restart_tasks:
+            return
+        self._restart_tasks[proc.name] = asyncio.get_running_loop().create_task(self._restart(proc, policy_driven=True))
+
+    async def restart_process(self, name: str) -> None:
+        """Operator-requested restart of one process (counts toward nothing)."""
+        if name not in self.processes:
+            raise KeyError(name)
+        proc = self.processes[name]
+        await self._restart(proc, policy_driven=False)
+
+    async def _restart(self, proc: ManagedProcess, policy_driven: bool) -> None:
+        policy = self.profile.restart
+        try:
+            if policy_driven:
+                now = time.monotonic()
+                proc.restart_times = [t for t in proc.restart_times if now - t < policy.window_s]
+                if policy.mode == "never" or (policy.mode == "on-failure" and proc.exit_code == 0) \
+                        or len(proc.restart_times) >= policy.max_restarts:
+                    why = (
+                        f"{proc.name} {proc.last_exit}; restart limit reached "
+                        f"({len(proc.restart_times)}/{policy.max_restarts} in {policy.window_s:g} s)"
+                        if policy.mode != "never" and not (policy.mode == "on-failure" and proc.exit_code == 0)
+                        else f"{proc.name} {proc.last_exit}; restart policy {policy.mode!r}"
+                    )
+                    await self._give_up(proc, why)
+                    return
+                proc.restart_times.append(now)
+                attempt = len(proc.restart_times)
+                delay = policy.backoff(attempt)
+                self._set_state(State.DEGRADED, f"{proc.name} restarting ({attempt}/{policy.max_restarts})")
+                proc._set_state(State.RESTARTING, f"{proc.last_exit}; restart {attempt} in {delay:g} s")
+                self.sink.event(
+                    f"{proc.name}: {proc.last_exit}; restart {attempt}/{policy.max_restarts} in {delay:g} s",
+                    4,
+                    GPUSUP_PROCESS=proc.name,
+                    GPUSUP_EVENT="restart",
+                )
+                await proc.stop(timeout=0.0)  # nothing of the dead one may linger (orphaned schedulers)
+                await asyncio.sleep(delay)
+            else:
+                self._set_state(State.DEGRADED, f"{proc.name} restarting (requested)")
+                await proc.stop()
+            proc.restarts_total += 1
+            await proc.start()
+            await proc.wait_ready()
+            if all(p.state == State.READY for p in self.processes.values()):
+                self._set_state(State.READY)
+        except StartError as e:
+            if policy_driven:
+                self._restart_tasks.pop(proc.name, None)
+                proc.on_unexpected_exit = None
+                await proc.stop(timeout=0.0)
+                proc.on_unexpected_exit = self._on_unexpected_exit
+                self._on_unexpected_exit(proc)
+                return
+            await self._give_up(proc, str(e))
+        except asyncio.CancelledError:
+            raise
+        finally:
+            if self._restart_tasks.get(proc.name) is asyncio.current_task():
+                self._restart_tasks.pop(proc.name, None)
+
+    async def _give_up(self, proc: ManagedProcess, why: str) -> None:
+        self.sink.event(f"giving up: {why}; stopping the instance", 3, GPUSUP_EVENT="failed", GPUSUP_PROCESS=proc.name)
+        self._set_state(State.STOPPING, why)
+        await self._stop_all()
+        proc.mark_failed(why)
+        self._set_state(State.FAILED, why)
+        self.failed.set()

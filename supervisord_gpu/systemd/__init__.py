@@ -1,0 +1,1 @@
+"""Glue to systemd: sd_notify, the journal, and (in ownership/) transient scopes."""

@@ -1,0 +1,125 @@
+"""sd_notify: READY=1 only when every process is ready, a human STATUS=, and keep-alives.
+
+EXTEND_TIMEOUT_USEC is sent only while start-up makes progress (a new log line, a phase
+change, a process turning ready): a server stuck in one phase with nothing to say lets
+systemd's TimeoutStartSec fire, as it should. WATCHDOG=1 comes from the event loop itself,
+so a wedged loop stops feeding it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Callable
+
+from ..engine.events import Event
+from ..engine.instance import Instance, InstanceStatus
+from ..engine.states import State
+
+EXTEND_STEP_S = 60.0  # each extension gives this much more time from now
+STALL_S = 120.0  # no progress for this long: stop extending
+
+
+def gpu_ranges(gpus: list[int]) -> str:
+    """[0,1,2,3,6] -> "0-3,6"."""
+    out: list[str] = []
+    for g in sorted(gpus):
+        if out and out[-1].split("-")[-1] == str(g - 1):
+            out[-1] = out[-1].split("-")[0] + f"-{g}"
+        else:
+            out.append(str(g))
+    return ",".join(out)
+
+
+def status_text(st: InstanceStatus) -> str:
+    """The STATUS= line, also shown by `gpusupctl status`."""
+    if st.transition:
+        return f"{st.state}: {st.transition}"
+    if st.state == State.STARTING.value:
+        if st.reason:
+            return f"starting: {st.reason}"
+        parts = []
+        for p in st.processes:
+            if p.state == State.READY.value:
+                parts.append(f"{p.name} ready")
+            elif p.state in (State.STARTING.value, State.RESTARTING.value) and p.pid:
+                parts.append(f"{p.name} {p.phase or 'starting'} {int(p.phase_elapsed_s)} s")
+            else:
+                parts.append(f"{p.name} waiting")
+        return "starting: " + "; ".join(parts)
+    if st.state == State.READY.value:
+        fronts = [p for p in st.processes if p.role == "router"] or st.processes
+        gpus = sorted(g for p in st.processes for g in p.gpus)
+        servers = [p for p in st.processes if p.role != "router"]
+        where = ", ".join(f"{p.host}:{p.port}" for p in fronts)
+        noun = "server" if len(servers) == 1 else "servers"
+        via = " behind router" if any(p.role == "router" for p in st.processes) else ""
+        return f"ready: {len(servers)} {noun}{via} on {where}, GPUs {gpu_ranges(gpus)}"
+    if st.state == State.FAILED.value and st.reason.startswith("refusing"):
+        return st.reason
+    return f"{st.state}: {st.reason}" if st.reason else st.state
+
+
+class Notifier:
+    """Speaks the sd_notify protocol for one instance; a no-op without NOTIFY_SOCKET."""
+
+    def __init__(self, send: Callable[[str], None] | None = None) -> None:
+        self.enabled = bool(os.environ.get("NOTIFY_SOCKET")) or send is not None
+        self._send_fn = send
+        self._sd = None
+        if send is None and self.enabled:
+            import sdnotify
+
+            self._sd = sdnotify.SystemdNotifier()
+        self.last_progress = time.monotonic()
+        self.last_status = ""
+        self.ready_sent = False
+        watchdog = os.environ.get("WATCHDOG_USEC")
+        self.watchdog_s = int(watchdog) / 1e6 if watchdog and watchdog.isdigit() else None
+
+    def send(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self._send_fn is not None:
+            self._send_fn(message)
+        elif self._sd is not None:
+            self._sd.notify(message)
+
+    def status(self, text: str) -> None:
+        if text != self.last_status:
+            self.last_status = text
+            self.send(f"STATUS={text}")
+
+    def progress(self) -> None:
+        self.last_progress = time.monotonic()
+
+    def attach(self, instance: Instance) -> None:
+        def on_event(event: Event) -> None:
+            if event.kind in ("phase", "process", "instance"):
+                self.progress()
+            self.status(status_text(instance.status()))
+            if event.kind == "instance" and event.state == State.READY.value and not self.ready_sent:
+                self.ready_sent = True
+                self.send("READY=1")
+            if event.kind == "instance" and event.state == State.STOPPING.value:
+                self.send("STOPPING=1")
+
+        instance.listeners.append(on_event)
+
+    def line_seen(self) -> None:
+        self.last_progress = time.monotonic()
+
+    async def run(self, instance: Instance, healthy: Callable[[], bool]) -> None:
+        """The keep-alive loop: STATUS refresh, EXTEND_TIMEOUT_USEC while progressing, WATCHDOG=1."""
+        period = 1.0
+        if self.watchdog_s:
+            period = min(period, self.watchdog_s / 3)
+        while True:
+            st = instance.status()
+            self.status(status_text(st))
+            if st.state == State.STARTING.value and time.monotonic() - self.last_progress < STALL_S:
+                self.send(f"EXTEND_TIMEOUT_USEC={int(EXTEND_STEP_S * 1e6)}")
+            if self.watchdog_s and healthy():
+                self.send("WATCHDOG=1")
+            await asyncio.sleep(period)
