@@ -1,0 +1,235 @@
+"""`gpusupctl`: the operator's tool. One command tree; read commands take --json.
+
+Exit codes: 0 ok, 1 operation failed, 2 bad usage or profile, 3 preconditions not met,
+4 daemon or bus not reachable. Imports are deferred to the command that needs them, so
+`gpusupctl gpus` does not pay for D-Bus and `status` does not pay for NVML.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .common import guarded
+
+PROG = "gpusupctl"
+
+
+def _config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config-dir", help="configuration directory (default: $SUPERVISORD_GPU_CONFIG_DIR or /etc/supervisord-gpu)")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Inspect and control supervisord-gpu instances (dsv4@NAME.service).",
+        epilog="exit codes: 0 ok, 1 operation failed, 2 bad usage or profile, 3 preconditions not met, 4 daemon or bus unreachable",
+    )
+    p.add_argument("--version", action="version", version="%(prog)s 0.1.0")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    r = sub.add_parser("render", help="print each process's argv and environment in start order")
+    r.add_argument("name", metavar="NAME")
+    r.add_argument("--rehearsal", action="store_true", help="render what rehearsal would run (stand-ins)")
+    r.add_argument("--json", action="store_true")
+    _config_arg(r)
+
+    h = sub.add_parser("rehearse", help="run a profile end to end with stand-in servers on simulated GPUs")
+    h.add_argument("name", metavar="NAME")
+    h.add_argument("--hold", action="store_true", help="stay up after ready until Ctrl-C")
+    h.add_argument("--startup", type=float, metavar="SECONDS", help="stand-in start-up time (default from config: 3 s)")
+    h.add_argument("--verbose", "-v", action="store_true", help="also show every line the processes print")
+    _config_arg(h)
+
+    c = sub.add_parser("check", help="validate a profile and check its GPUs and ports, starting nothing")
+    c.add_argument("name", metavar="NAME")
+    c.add_argument("--rehearsal", action="store_true", help="check against the simulated GPUs")
+    c.add_argument("--json", action="store_true")
+    _config_arg(c)
+
+    g = sub.add_parser("gpus", help="GPU memory, idle or not, and who holds each GPU")
+    g.add_argument("--rehearsal", action="store_true", help="show the simulated GPUs")
+    g.add_argument("--json", action="store_true")
+    _config_arg(g)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    handler = {"render": cmd_render, "rehearse": cmd_rehearse, "check": cmd_check, "gpus": cmd_gpus}[args.command]
+    return guarded(PROG, lambda: handler(args))
+
+
+# ----------------------------------------------------------------------------- render
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from ..config.loader import load_daemon_config, load_profile
+    from ..config.render import render
+    from ..daemon import effective_config
+
+    cfg = effective_config(load_daemon_config(args.config_dir), args.rehearsal)
+    profile = load_profile(cfg, args.name)
+    rehearsal_env = None
+    if cfg.rehearsal.enabled:
+        from ..rehearsal.setup import ENV_MIB, ENV_STARTUP, simgpu_dir
+        from ..checks.simgpu import ENV_DIR
+
+        rehearsal_env = {
+            ENV_DIR: str(simgpu_dir(cfg)),
+            ENV_STARTUP: str(cfg.rehearsal.server_startup_s),
+            ENV_MIB: str(cfg.rehearsal.server_mib_per_gpu),
+        }
+    launches = render(profile, cfg, rehearsal_env)
+    if args.json:
+        out = [
+            {"process": l.spec.name, "role": l.spec.role, "user": l.user, "argv": list(l.argv), "env": dict(l.env),
+             "after": list(l.spec.after)}
+            for l in launches
+        ]
+        print(json.dumps({"profile": profile.name, "start_order": out, "stop_order": list(profile.stop_order)}, indent=2))
+        return 0
+    import shlex
+
+    print(f"# {profile.name}: {profile.description}" if profile.description else f"# {profile.name}")
+    for i, l in enumerate(launches, 1):
+        after = f" (after {', '.join(l.spec.after)})" if l.spec.after else ""
+        print(f"\n[{i}] {l.spec.name} ({l.spec.role}){after}" + (f" as user {l.user}" if l.user else ""))
+        for k, v in l.env:
+            print(f"    env {k}={shlex.quote(v)}")
+        print("    argv " + " ".join(shlex.quote(a) for a in l.argv))
+    print(f"\nstop order: {' -> '.join(profile.stop_order)}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- rehearse
+
+
+def cmd_rehearse(args: argparse.Namespace) -> int:
+    import dataclasses
+    import tempfile
+    import time
+
+    from ..config.loader import load_daemon_config, load_profile
+    from ..daemon import RunOptions, effective_config, serve
+    from ..ownership.cgroupfs import cgroup2_mount
+    from ..systemd.notify import status_text
+
+    cfg = effective_config(load_daemon_config(args.config_dir), True)
+    runtime = tempfile.mkdtemp(prefix="supervisord-gpu-rehearsal-")
+    rehearsal = cfg.rehearsal
+    if args.startup is not None:
+        rehearsal = dataclasses.replace(rehearsal, server_startup_s=max(0.0, args.startup))
+    mount = cgroup2_mount()
+    cgroup_root = cfg.cgroup_root
+    if cgroup_root is None and mount is not None:
+        cgroup_root = str(mount / "supervisord-gpu-rehearsal" / "supervisord-gpu")
+    ownership = cfg.ownership if cfg.ownership != "systemd" else "auto"
+    cfg = dataclasses.replace(cfg, runtime_dir=__import__("pathlib").Path(runtime), rehearsal=rehearsal,
+                              cgroup_root=cgroup_root, ownership=ownership, strict_modes=False)
+    profile = load_profile(cfg, args.name)
+    t0 = time.monotonic()
+    out = sys.stdout
+
+    def show(event) -> None:  # type: ignore[no-untyped-def]
+        stamp = f"{time.monotonic() - t0:7.2f}s"
+        if event.kind == "process" and event.state:
+            out.write(f"{stamp}  {event.process:<10} {event.message}\n")
+        elif event.kind == "phase" and event.message:
+            out.write(f"{stamp}  {event.process:<10}   phase: {event.message}\n")
+        elif event.kind == "instance":
+            out.write(f"{stamp}  == instance {event.state}" + (f": {event.message}" if event.message != event.state else "") + "\n")
+        out.flush()
+
+    def on_ready(instance) -> None:  # type: ignore[no-untyped-def]
+        out.write(f"\n{status_text(instance.status())}\n")
+        for p in instance.status().processes:
+            out.write(f"  {p.name:<8} {p.role:<8} pid {p.pid:<7} {p.host}:{p.port:<5} GPUs {p.gpus or '-'}  cgroup {p.group}\n")
+        front = next((p for p in instance.profile.processes if p.kind == "router"), instance.profile.processes[0])
+        out.write(f"\nPOST {front.url}/generate -> {_demo_generate(front.url)}\n\n")
+        out.flush()
+
+    opts = RunOptions(rehearsal=True, force_stderr=True, on_ready=on_ready, stop_after_ready=not args.hold,
+                      listeners=[show], quiet_children=not args.verbose)
+    code = __import__("asyncio").run(serve(cfg, profile, opts))
+    if code == 0:
+        code = _verify_clear(cfg, profile)
+    import shutil
+
+    shutil.rmtree(runtime, ignore_errors=True)
+    return code
+
+
+def _demo_generate(url: str) -> str:
+    import urllib.request
+
+    body = json.dumps({"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8}}).encode()
+    req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return f"{resp.status} {resp.read(120).decode(errors='replace')}"
+    except Exception as e:  # a demo request: report, never fail the rehearsal on it
+        return f"failed: {e}"
+
+
+def _verify_clear(cfg, profile) -> int:  # type: ignore[no-untyped-def]
+    from ..checks.preconditions import check
+    from ..preflight import inventory_for, requirement_for
+
+    report = check(requirement_for(profile), inventory_for(cfg, True))
+    if report.ok:
+        print(f"verified after stop: GPUs {sorted(profile.gpus)} idle, ports {sorted({l.port for l in profile.listens()})} free")
+        return 0
+    print("after stop, still held:\n  " + "\n  ".join(report.problems()))
+    return 1
+
+
+# ----------------------------------------------------------------------------- check and gpus
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from ..checks.preconditions import check
+    from ..config.loader import load_daemon_config, load_profile
+    from ..daemon import effective_config
+    from ..errors import EXIT_PRECONDITIONS
+    from ..preflight import inventory_for, raise_for_missing, requirement_for
+
+    cfg = effective_config(load_daemon_config(args.config_dir), args.rehearsal)
+    profile = load_profile(cfg, args.name)
+    report = check(requirement_for(profile), inventory_for(cfg, cfg.rehearsal.enabled))
+    raise_for_missing(profile, report)
+    if args.json:
+        print(json.dumps({"profile": profile.name, "ok": report.ok, **report.to_json()}, indent=2))
+    elif report.ok:
+        print(f"{profile.name}: profile valid; GPUs {sorted(profile.gpus)} idle; ports {', '.join(str(l.port) for l in profile.listens())} free")
+    else:
+        print(f"{profile.name}: profile valid, but preconditions are not met:")
+        for line in report.problems():
+            print(f"  {line}")
+    return 0 if report.ok else EXIT_PRECONDITIONS
+
+
+def cmd_gpus(args: argparse.Namespace) -> int:
+    from ..checks.holders import describe_pid
+    from ..checks.preconditions import render_gpu_table
+    from ..config.loader import load_daemon_config
+    from ..daemon import effective_config
+    from ..preflight import inventory_for
+
+    cfg = effective_config(load_daemon_config(args.config_dir), args.rehearsal)
+    inventory = inventory_for(cfg, cfg.rehearsal.enabled)
+    states = inventory.snapshot()
+    holders = {s.index: [describe_pid(p.pid) for p in s.processes] for s in states}
+    if args.json:
+        from dataclasses import asdict
+
+        print(json.dumps({"backend": inventory.kind, "gpus": [
+            {**asdict(s), "holders": [h.describe() for h in holders[s.index]]} for s in states]}, indent=2, default=str))
+    else:
+        print(render_gpu_table(states, holders))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
