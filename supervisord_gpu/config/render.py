@@ -86,7 +86,9 @@ def render(profile: Profile, cfg: DaemonConfig, rehearsal_env: Mapping[str, str]
     """Every process of `profile` in start order; `rehearsal_env` set means: stand-ins."""
     launches = []
     for spec in profile.processes:
-        env = list(spec.env)
+        # Rehearsal defaults first, so a profile's own env (a fault to inject, a start-up time) wins.
+        env = list(rehearsal_env.items()) if rehearsal_env is not None else []
+        env += spec.env
         if spec.kind == "server":
             env.insert(0, ("CUDA_VISIBLE_DEVICES", ",".join(str(g) for g in spec.gpus)))
             program = (sys.executable, *STANDIN_SERVER) if rehearsal_env is not None else cfg.sglang_command
@@ -94,7 +96,5 @@ def render(profile: Profile, cfg: DaemonConfig, rehearsal_env: Mapping[str, str]
         else:
             program = router_program(cfg) if rehearsal_env is not None else cfg.router_command
             argv = (*program, *router_args(spec, profile))
-        if rehearsal_env is not None:
-            env.extend(rehearsal_env.items())
         launches.append(Launch(spec, tuple(argv), tuple(env), spec.user))
     return launches

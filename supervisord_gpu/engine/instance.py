@@ -116,12 +116,13 @@ class Instance:
             try:
                 await self._start_all()
             except BaseException as e:
+                e = first_cause(e)
                 reason = str(e) if isinstance(e, SupervisorError) else f"start-up interrupted ({e.__class__.__name__})"
-                self.sink.event(f"start failed: {reason}; stopping what was started", 3, GPUSUP_EVENT="start-failed")
+                self.sink.event(f"start failed, stopping what was started: {reason}", 3, GPUSUP_EVENT="start-failed")
                 await self._stop_all()
                 self._set_state(State.FAILED, reason.splitlines()[0])
                 if isinstance(e, SupervisorError):
-                    raise
+                    raise e from None
                 raise StartError(reason) from e
             self.last_start_s = time.monotonic() - began
             self.ready_at = time.time()
@@ -246,3 +247,11 @@ class Instance:
         proc.mark_failed(why)
         self._set_state(State.FAILED, why)
         self.failed.set()
+
+
+def first_cause(exc: BaseException) -> BaseException:
+    """The error that made a TaskGroup fail, rather than the group that wraps it."""
+    while isinstance(exc, BaseExceptionGroup):
+        inner = [e for e in exc.exceptions if not isinstance(e, asyncio.CancelledError)]
+        exc = inner[0] if inner else exc.exceptions[0]
+    return exc

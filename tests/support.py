@@ -1,0 +1,197 @@
+"""Shared test machinery: throw-away cgroup roots, free ports, config dirs, decoys.
+
+Everything a test starts is owned by a cgroup under a root made for that test, so cleanup
+can never miss a re-parented process and never touches anything else on the machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+from supervisord_gpu.checks.simgpu import SimulatedGpus
+from supervisord_gpu.config.loader import load_daemon_config, load_profile
+from supervisord_gpu.daemon import RunOptions, build_instance
+from supervisord_gpu.engine.events import Event
+from supervisord_gpu.ownership.cgroupfs import cgroup2_mount, remove_tree, writable
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+class CgroupSandbox:
+    """A cgroup subtree of our own under the cgroup2 mount, killed and removed at the end."""
+
+    def __init__(self) -> None:
+        mount = cgroup2_mount()
+        if mount is None:
+            raise RuntimeError("no cgroup2 mount")
+        self.top = mount / f"supervisord-gpu-test-{uuid.uuid4().hex[:8]}"
+        self.root = self.top / "supervisord-gpu"
+        if not writable(self.root):
+            raise RuntimeError(f"cannot create cgroups under {self.root}")
+
+    def all_pids(self) -> list[int]:
+        pids: list[int] = []
+        for dirpath, _dirs, files in os.walk(self.top):
+            if "cgroup.procs" in files:
+                with open(os.path.join(dirpath, "cgroup.procs")) as f:
+                    pids += [int(x) for x in f.read().split()]
+        return pids
+
+    def destroy(self) -> None:
+        for dirpath, _dirs, files in os.walk(self.top):
+            if "cgroup.kill" in files:
+                try:
+                    Path(dirpath, "cgroup.kill").write_text("1")
+                except OSError:
+                    pass
+        deadline = time.monotonic() + 5
+        while self.all_pids() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        remove_tree(self.top)
+
+
+def write_config(
+    tmp: Path,
+    profiles: dict[str, str],
+    cgroup_root: Path,
+    startup: float = 0.5,
+    extra: str = "",
+    router: str = "auto",
+    gpu_count: int = 8,
+) -> Path:
+    cdir = tmp / "etc"
+    (cdir / "profiles").mkdir(parents=True, exist_ok=True)
+    (cdir / "supervisord-gpu.toml").write_text(
+        textwrap.dedent(
+            f"""
+            [daemon]
+            ownership = "cgroupfs"
+            cgroup_root = "{cgroup_root}"
+            runtime_dir = "{tmp / 'run'}"
+            strict_modes = false
+            [gpus]
+            backend = "simulated"
+            wait_idle_timeout = 5
+            [rehearsal]
+            enabled = true
+            gpu_count = {gpu_count}
+            server_startup = {startup}
+            server_mib_per_gpu = 1000
+            router = "{router}"
+            simgpu_dir = "{tmp / 'simgpu'}"
+            """
+        )
+        + extra
+    )
+    for name, text in profiles.items():
+        (cdir / "profiles" / f"{name}.toml").write_text(textwrap.dedent(text))
+    return cdir
+
+
+def pd_profile(ports: list[int], router_extra: str = "", prefill_extra: str = "", decode_extra: str = "") -> str:
+    """A scaled-down pd-1p1d: TP1 prefill on GPU 0, TP1 decode on GPU 1, the router in PD mode."""
+    p_port, d_port, r_port, boot, metrics = ports
+    return f"""
+        description = "test pd"
+        [restart]
+        max_restarts = 2
+        backoff_initial = 0.2
+        [servers.prefill]
+        role = "prefill"
+        gpus = [0]
+        port = {p_port}
+        model_path = "/models/test"
+        stop_timeout = 5
+        {prefill_extra}
+        [servers.prefill.options]
+        disaggregation-bootstrap-port = {boot}
+        [servers.decode]
+        role = "decode"
+        gpus = [1]
+        port = {d_port}
+        model_path = "/models/test"
+        stop_timeout = 5
+        {decode_extra}
+        [router]
+        mode = "pd"
+        port = {r_port}
+        stop_timeout = 10
+        {router_extra}
+        [router.options]
+        prometheus-host = "127.0.0.1"
+        prometheus-port = {metrics}
+        policy = "round_robin"
+        """
+
+
+class Recorder:
+    """Collects engine events with their times, for assertions about order."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def __call__(self, event: Event) -> None:
+        self.events.append(event)
+
+    def times(self, process: str, state: str) -> list[float]:
+        return [e.at for e in self.events if e.kind == "process" and e.process == process and e.state == state]
+
+    def first(self, process: str, state: str) -> float:
+        found = self.times(process, state)
+        assert found, f"no {state!r} event for {process}: {[(e.process, e.state) for e in self.events]}"
+        return found[0]
+
+    def order(self, state: str) -> list[str]:
+        return [e.process for e in self.events if e.kind == "process" and e.state == state]  # type: ignore[misc]
+
+
+def make_instance(cdir: Path, name: str, recorder: Recorder | None = None):  # type: ignore[no-untyped-def]
+    cfg = load_daemon_config(cdir)
+    profile = load_profile(cfg, name)
+    instance, sink = build_instance(cfg, profile, RunOptions(rehearsal=True, force_stderr=True))
+    if recorder is not None:
+        instance.listeners.append(recorder)
+    return instance, cfg
+
+
+def sim_holders(tmp: Path) -> list[int]:
+    return [h.pid for h in SimulatedGpus(tmp / "simgpu").holders()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def start_decoy(port: int = 30001) -> subprocess.Popen[bytes]:
+    """A process outside the daemon whose command line looks exactly like what pkill -f would hit."""
+    return subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)", "-m", "sglang.launch_server", "--port", str(port)],
+        start_new_session=True,
+    )
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)

@@ -1,0 +1,223 @@
+"""The engine, end to end with real processes: stand-in servers, the real sglang-router, cgroups."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from supervisord_gpu.engine.states import State
+from supervisord_gpu.errors import StartError
+from support import Recorder, alive, free_ports, make_instance, pd_profile, sim_holders, write_config
+
+
+def two_servers_and_router(ports: list[int], a_extra: str = "", b_extra: str = "") -> str:
+    a, b, r, m = ports
+    return f"""
+        [servers.alpha]
+        gpus = [0]
+        port = {a}
+        model_path = "/m"
+        {a_extra}
+        [servers.beta]
+        gpus = [1]
+        port = {b}
+        model_path = "/m"
+        {b_extra}
+        [router]
+        port = {r}
+        [router.options]
+        prometheus-host = "127.0.0.1"
+        prometheus-port = {m}
+        """
+
+
+def test_independent_servers_start_in_parallel_and_the_router_waits_for_both(tmp_path, cgroups):
+    cdir = write_config(tmp_path, {"p": two_servers_and_router(free_ports(4))}, cgroups.root, startup=1.0)
+    rec = Recorder()
+    instance, _ = make_instance(cdir, "p", rec)
+
+    async def go() -> None:
+        await instance.start()
+        assert instance.state == State.READY
+        await instance.stop()
+
+    asyncio.run(go())
+    alpha_start, beta_start = rec.first("alpha", "starting"), rec.first("beta", "starting")
+    alpha_ready, beta_ready = rec.first("alpha", "ready"), rec.first("beta", "ready")
+    assert max(alpha_start, beta_start) < min(alpha_ready, beta_ready), "servers were not started in parallel"
+    assert rec.first("router", "starting") >= max(alpha_ready, beta_ready)
+
+
+def test_a_server_answering_503_for_5s_delays_its_dependants(tmp_path, cgroups):
+    ports = free_ports(4)
+    slow = '[servers.alpha.env]\nSUPERVISORD_GPU_STANDIN_STARTUP_S = "5"'
+    cdir = write_config(tmp_path, {"p": two_servers_and_router(ports, a_extra=slow)}, cgroups.root, startup=0.3)
+    rec = Recorder()
+    instance, _ = make_instance(cdir, "p", rec)
+
+    async def go() -> None:
+        await instance.start()
+        await instance.stop()
+
+    asyncio.run(go())
+    assert rec.first("alpha", "ready") - rec.first("alpha", "starting") >= 5.0
+    assert rec.first("router", "starting") >= rec.first("alpha", "ready")
+    assert rec.first("beta", "ready") < rec.first("alpha", "ready")
+
+
+@pytest.mark.parametrize("who", ["alpha", "beta"])
+def test_start_failure_of_one_process_stops_all_others_and_names_it(tmp_path, cgroups, who):
+    ports = free_ports(4)
+    fault = f'[servers.{who}.env]\nSUPERVISORD_GPU_STANDIN_FAULT = "crash-on-start"'
+    other = "beta" if who == "alpha" else "alpha"
+    text = two_servers_and_router(ports, **{("a_extra" if who == "alpha" else "b_extra"): fault})
+    cdir = write_config(tmp_path, {"p": text}, cgroups.root, startup=1.0)
+    instance, _ = make_instance(cdir, "p")
+
+    async def go() -> str:
+        with pytest.raises(StartError) as info:
+            await instance.start()
+        return str(info.value)
+
+    message = asyncio.run(go())
+    assert message.startswith(f"{who}: exited during start-up (exit code 1)")
+    assert "last lines" in message
+    assert instance.state == State.FAILED
+    assert instance.processes[other].state == State.STOPPED
+    assert cgroups.all_pids() == []
+    assert sim_holders(tmp_path) == []
+
+
+def test_stop_order_is_router_then_decode_then_prefill(tmp_path, cgroups):
+    cdir = write_config(tmp_path, {"pd": pd_profile(free_ports(5))}, cgroups.root)
+    rec = Recorder()
+    instance, _ = make_instance(cdir, "pd", rec)
+
+    async def go() -> None:
+        await instance.start()
+        await instance.stop()
+
+    asyncio.run(go())
+    assert rec.order("stopping") == ["router", "decode", "prefill"]
+    stopped = {p: rec.first(p, "stopped") for p in ("router", "decode", "prefill")}
+    assert rec.first("decode", "stopping") >= stopped["router"]
+    assert rec.first("prefill", "stopping") >= stopped["decode"]
+    assert cgroups.all_pids() == []
+
+
+def test_a_process_that_ignores_sigterm_is_killed_at_its_stop_deadline(tmp_path, cgroups):
+    ports = free_ports(1)
+    text = f"""
+        [servers.stubborn]
+        gpus = [0]
+        port = {ports[0]}
+        model_path = "/m"
+        stop_timeout = 1.0
+        [servers.stubborn.env]
+        SUPERVISORD_GPU_STANDIN_FAULT = "hang-on-term"
+        """
+    cdir = write_config(tmp_path, {"p": text}, cgroups.root)
+    instance, _ = make_instance(cdir, "p")
+
+    async def go() -> float:
+        await instance.start()
+        began = time.monotonic()
+        await instance.processes["stubborn"].stop()
+        return time.monotonic() - began
+
+    took = asyncio.run(go())
+    assert 1.0 <= took < 1.0 + 0.1 + 0.4  # deadline, the kill, and reaping on a loaded 2-core box
+    assert cgroups.all_pids() == []
+    assert sim_holders(tmp_path) == []
+
+
+def test_the_detached_grandchild_of_a_stand_in_does_not_survive_a_stop(tmp_path, cgroups):
+    cdir = write_config(tmp_path, {"pd": pd_profile(free_ports(5))}, cgroups.root)
+    instance, _ = make_instance(cdir, "pd")
+
+    async def go() -> list[int]:
+        await instance.start()
+        grandchildren = sim_holders(tmp_path)
+        main_pids = {p.pid for p in instance.processes.values()}
+        assert grandchildren and not set(grandchildren) & main_pids
+        for pid in grandchildren:
+            assert os.getppid() != pid
+        await instance.stop()
+        return grandchildren
+
+    for pid in asyncio.run(go()):
+        assert not alive(pid)
+    assert sim_holders(tmp_path) == []
+
+
+def test_killing_the_main_process_restarts_it_and_frees_its_orphans(tmp_path, cgroups):
+    cdir = write_config(tmp_path, {"pd": pd_profile(free_ports(5))}, cgroups.root)
+    rec = Recorder()
+    instance, _ = make_instance(cdir, "pd", rec)
+
+    async def go() -> None:
+        await instance.start()
+        decode = instance.processes["decode"]
+        old_pid = decode.pid
+        orphans_before = set(sim_holders(tmp_path))
+        os.kill(old_pid, signal.SIGKILL)  # the main only: its detached scheduler keeps "GPU memory"
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            if decode.state == State.READY and decode.pid != old_pid:
+                break
+        assert decode.state == State.READY and decode.pid != old_pid
+        assert decode.restarts_total == 1
+        assert instance.state == State.READY
+        leftover = orphans_before - set(sim_holders(tmp_path))
+        assert leftover, "the killed server's detached scheduler should have been killed with its cgroup"
+        await instance.stop()
+
+    asyncio.run(go())
+    assert [e.state for e in rec.events if e.kind == "instance"][-4:] == ["degraded", "ready", "stopping", "stopped"]
+
+
+def test_restarts_back_off_and_the_instance_fails_past_the_limit(tmp_path, cgroups):
+    ports = free_ports(1)
+    text = f"""
+        [restart]
+        max_restarts = 2
+        backoff_initial = 0.3
+        backoff_max = 5
+        [servers.flaky]
+        gpus = [0]
+        port = {ports[0]}
+        model_path = "/m"
+        [servers.flaky.env]
+        SUPERVISORD_GPU_STANDIN_FAULT = "crash-after-ready:0.2"
+        """
+    cdir = write_config(tmp_path, {"p": text}, cgroups.root, startup=0.2)
+    rec = Recorder()
+    instance, _ = make_instance(cdir, "p", rec)
+
+    async def go() -> None:
+        await instance.start()
+        await asyncio.wait_for(instance.failed.wait(), 30)
+
+    asyncio.run(go())
+    assert instance.state == State.FAILED
+    assert "restart limit reached (2/2" in instance.reason
+    restarting = [e for e in rec.events if e.kind == "process" and e.state == "restarting" and "; restart" in e.message]
+    assert [e.message.split("; ")[1] for e in restarting] == ["restart 1 in 0.3 s", "restart 2 in 0.6 s"]
+    assert cgroups.all_pids() == []
+
+
+def test_a_decoy_with_a_matching_command_line_survives_start_stop_and_restart(tmp_path, cgroups, decoy):
+    cdir = write_config(tmp_path, {"pd": pd_profile(free_ports(5))}, cgroups.root)
+    instance, _ = make_instance(cdir, "pd")
+
+    async def go() -> None:
+        await instance.start()
+        await instance.restart_process("decode")
+        await instance.stop()
+
+    asyncio.run(go())
+    assert decoy.poll() is None and alive(decoy.pid)
