@@ -1,0 +1,149 @@
+"""Bad input: one line naming the file, the key and what is wrong; exit 2; nothing started."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from supervisord_gpu.cli import daemon as daemon_cli
+from supervisord_gpu.cli import gpusupctl
+from supervisord_gpu.config.loader import load_daemon_config, load_profile
+
+GOOD = """
+[servers.prefill]
+role = "prefill"
+gpus = [0, 1]
+port = 31000
+model_path = "/m"
+[servers.prefill.options]
+tp-size = 2
+[servers.decode]
+role = "decode"
+gpus = [2, 3]
+port = 31001
+model_path = "/m"
+[router]
+mode = "pd"
+port = 31002
+"""
+
+
+def setup_dir(tmp_path, profile_text: str, daemon_text: str = "[daemon]\nstrict_modes = false\n"):
+    (tmp_path / "profiles").mkdir(exist_ok=True)
+    (tmp_path / "supervisord-gpu.toml").write_text(daemon_text)
+    (tmp_path / "profiles" / "p.toml").write_text(textwrap.dedent(profile_text))
+    return tmp_path
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_the_shipped_profiles_are_valid_and_share_port_30001():
+    cfg = load_daemon_config("etc/supervisord-gpu")
+    pd, tp4 = load_profile(cfg, "pd-1p1d"), load_profile(cfg, "tp4-512k")
+    assert [p.name for p in pd.processes] == ["prefill", "decode", "router"]
+    assert pd.stop_order == ("router", "decode", "prefill")
+    assert pd.process("prefill").gpus == (0, 1, 2, 3) and pd.process("decode").gpus == (4, 5, 6, 7)
+    assert tp4.process("server").gpus == (0, 1, 2, 3)
+    assert tp4.process("server").option("context-length") == 524288
+    assert 30001 in {l.port for l in pd.listens()} & {l.port for l in tp4.listens()}
+
+
+def test_a_good_profile_renders_full_flag_names(tmp_path, capsys):
+    cdir = setup_dir(tmp_path, GOOD)
+    assert gpusupctl.main(["render", "p", "--config-dir", str(cdir)]) == 0
+    out = capsys.readouterr().out
+    assert "--tp-size 2" in out and "--tp " not in out
+    assert "--pd-disaggregation --prefill http://127.0.0.1:31000 8998 --decode http://127.0.0.1:31001" in out
+
+
+BAD_PROFILES = [
+    ("unknown key", GOOD + "\n[servers.extra]\ngpus=[5]\nport=1\nmodel_path='/m'\ncolour='red'\n",
+     "servers.extra.colour: unknown key"),
+    ("wrong type", GOOD.replace("port = 31000", 'port = "31000"'), "servers.prefill.port: must be an integer, not a string"),
+    ("GPU listed twice", GOOD.replace("gpus = [0, 1]", "gpus = [0, 0]"), "servers.prefill.gpus: GPU 0 is listed twice"),
+    ("GPU shared by two servers", GOOD.replace("gpus = [2, 3]", "gpus = [1, 3]"),
+     "servers.decode.gpus: GPU 1 is also used by servers.prefill"),
+    ("two processes on one port", GOOD.replace("port = 31001", "port = 31000"),
+     "servers.decode.port: port 31000 (decode) is also used by prefill (servers.prefill)"),
+    ("router fronts a missing server", GOOD.replace('mode = "pd"', 'mode = "pd"\ndecode = ["ghost"]'),
+     "router.decode[0]: no server named 'ghost'"),
+    ("dependency cycle", GOOD.replace('role = "prefill"', 'role = "prefill"\nafter = ["decode"]')
+     .replace('role = "decode"', 'role = "decode"\nafter = ["prefill"]'), "after: dependency cycle: prefill -> decode -> prefill"),
+    ("invalid TOML", GOOD + "\nthis is not toml\n", "is not valid TOML: Expected '=' after a key in a key/value pair (at line 18"),
+    ("context length not a number", GOOD.replace("tp-size = 2", 'tp-size = 2\ncontext-length = "lots"'),
+     "servers.prefill.options.context-length: must be a number of tokens"),
+    ("abbreviated flag", GOOD.replace("tp-size = 2", "tp_size = 2"), "servers.prefill.options.tp_size: must be a full long option name"),
+    ("managed flag in options", GOOD.replace("tp-size = 2", "port = 5"), "servers.prefill.options.port: is set by the profile key 'port'"),
+    ("too few GPUs for tp", GOOD.replace("tp-size = 2", "tp-size = 4"), "servers.prefill.gpus: lists 2 GPU(s) but the parallelism options need 4"),
+    ("negative GPU", GOOD.replace("gpus = [0, 1]", "gpus = [-1, 1]"), "servers.prefill.gpus[0]: must be a GPU index between 0 and 1023"),
+    ("no servers", "[router]\nport = 1\n", "servers: is required"),
+]
+
+
+@pytest.mark.parametrize("case,text,expected", BAD_PROFILES, ids=[c[0] for c in BAD_PROFILES])
+def test_a_bad_profile_is_one_line_naming_file_and_key_with_exit_2(tmp_path, capsys, case, text, expected):
+    cdir = setup_dir(tmp_path, text)
+    assert gpusupctl.main(["render", "p", "--config-dir", str(cdir)]) == 2
+    err = one_line_error(capsys)
+    assert err.startswith(f"gpusupctl: {cdir}/profiles/p.toml: "), err
+    assert expected in err, err
+
+
+def test_an_unknown_profile_name_lists_the_known_ones(tmp_path, capsys):
+    cdir = setup_dir(tmp_path, GOOD)
+    assert gpusupctl.main(["render", "nope", "--config-dir", str(cdir)]) == 2
+    assert "unknown profile 'nope' (profiles in" in one_line_error(capsys)
+
+
+def test_the_daemon_refuses_a_bad_profile_before_starting_anything(tmp_path, capsys):
+    cdir = setup_dir(tmp_path, GOOD.replace("gpus = [0, 1]", "gpus = [0, 0]"))
+    assert daemon_cli.main(["run", "p", "--config-dir", str(cdir), "--rehearsal", "--stderr"]) == 2
+    err = one_line_error(capsys)
+    assert "GPU 0 is listed twice" in err
+    assert "started pid" not in err
+
+
+@pytest.mark.parametrize(
+    "daemon_text,expected",
+    [
+        ("[daemon]\nownership = 'magic'\n", "daemon.ownership: must be one of auto, systemd, cgroupfs, session"),
+        ("[gpus]\nidle_tolerance_mib = -5\n", "gpus.idle_tolerance_mib: must be at least 0"),
+        ("[metrics]\nport = 70000\n", "metrics.port: must be at most 65535"),
+        ("[bogus]\n", "bogus: unknown key"),
+    ],
+)
+def test_a_bad_daemon_config_names_its_key(tmp_path, capsys, daemon_text, expected):
+    cdir = setup_dir(tmp_path, GOOD, daemon_text)
+    assert gpusupctl.main(["render", "p", "--config-dir", str(cdir)]) == 2
+    err = one_line_error(capsys)
+    assert f"{cdir}/supervisord-gpu.toml: " in err and expected in err, err
+
+
+def test_non_utf8_and_directory_profiles_are_clear_errors(tmp_path, capsys):
+    cdir = setup_dir(tmp_path, GOOD)
+    (cdir / "profiles" / "p.toml").write_bytes(b"description = '\xff\xfe'\n")
+    assert gpusupctl.main(["render", "p", "--config-dir", str(cdir)]) == 2
+    assert "is not valid UTF-8 (line 1" in one_line_error(capsys)
+    (cdir / "profiles" / "p.toml").unlink()
+    (cdir / "profiles" / "p.toml").mkdir()
+    assert gpusupctl.main(["render", "p", "--config-dir", str(cdir)]) == 2
+    assert "is a directory, not a file" in one_line_error(capsys)
+
+
+def test_a_profile_writable_by_others_is_refused_when_running_as_root(tmp_path, capsys):
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("strict modes apply to a daemon running as root")
+    cdir = setup_dir(tmp_path, GOOD, "[daemon]\nstrict_modes = true\n")
+    os.chmod(cdir, 0o755)
+    os.chmod(cdir / "profiles", 0o755)
+    (cdir / "profiles" / "p.toml").chmod(0o666)
+    assert gpusupctl.main(["render", "p", "--config-dir", str(cdir)]) == 2
+    assert "is writable by non-root users" in one_line_error(capsys)
