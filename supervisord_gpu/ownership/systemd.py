@@ -1,0 +1,191 @@
+"""The systemd driver: each child in a transient scope, bound to the instance's service.
+
+Why scopes rather than sub-cgroups under Delegate=yes: a scope is a real unit, so
+`systemctl list-units 'dsv4-*'`, `systemctl status dsv4-pd-1p1d-router.scope` and
+`systemd-cgls` name each child by instance and role, systemd kills it with KillUnit, and
+`BindsTo=dsv4@NAME.service` makes systemd stop every scope when the service goes away —
+including when this daemon is SIGKILLed. Delegation would hide the children inside the
+service's cgroup as anonymous directories.
+
+No `After=` on the scope: while the service is still starting, an After= ordering would
+hold the scope's start job until READY=1 and leave the child in the service's cgroup
+(shared/reference/systemd-test-rig.md). The child waits at the gate until it is in its scope.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+from ..errors import OwnershipError
+from .base import OwnershipDriver, ProcessGroup
+from .cgroupfs import CgroupDir, cgroup2_mount
+from .names import UNIT_PREFIX, scope_name, service_name
+
+ADOPT_TIMEOUT_S = 10.0
+
+
+def _pid_cgroup(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            for line in f:
+                if line.startswith("0::"):
+                    return line[3:].strip()
+    except OSError:
+        return None
+    return None
+
+
+def _own_service_and_slice() -> tuple[str | None, str | None]:
+    path = _pid_cgroup(os.getpid()) or ""
+    parts = [p for p in path.split("/") if p]
+    service = next((p for p in reversed(parts) if p.endswith(".service")), None)
+    slice_ = next((p for p in reversed(parts) if p.endswith(".slice")), None)
+    return service, slice_
+
+
+class ScopeGroup(ProcessGroup):
+    """A transient scope: killed through systemd, watched through its cgroup.events."""
+
+    def __init__(self, driver: "SystemdDriver", unit: str, process: str) -> None:
+        self.driver = driver
+        self.unit = unit
+        self.process = process
+        self.name = unit
+        self.cgroup = ""
+        self._dir: CgroupDir | None = None
+
+    def bind(self, cgroup: str) -> None:
+        self.cgroup = cgroup
+        self._dir = CgroupDir(self.driver.mount / cgroup.lstrip("/"), self.driver.mount)
+
+    def pids(self) -> list[int]:
+        return self._dir.pids() if self._dir else []
+
+    def populated(self) -> bool:
+        return self._dir.populated() if self._dir else False
+
+    def kill_all(self, sig: int = signal.SIGKILL) -> None:
+        try:
+            self.driver.manager.KillUnit(self.unit, "all", int(sig))
+        except Exception:
+            if self._dir is not None:  # the unit is already gone: its cgroup, if any, directly
+                self._dir.kill_all(sig)
+
+    async def wait_empty(self, timeout: float | None) -> bool:
+        if self._dir is None:
+            return True
+        return await self._dir.wait_empty(timeout)
+
+    async def release(self) -> None:
+        # An empty scope stops by itself; reset a failed one so the name can be reused.
+        await asyncio.to_thread(self.driver.reset_failed, self.unit)
+
+
+class SystemdDriver(OwnershipDriver):
+    name = "systemd"
+
+    def __init__(self, instance: str, bus=None) -> None:  # type: ignore[no-untyped-def]
+        mount = cgroup2_mount()
+        if mount is None:
+            raise OwnershipError("no cgroup v2 hierarchy is mounted")
+        self.mount = mount
+        self.instance = instance
+        try:
+            if bus is None:
+                from pydbus import SystemBus
+
+                bus = SystemBus()
+            self.manager = bus.get("org.freedesktop.systemd1", "/org/freedesktop/systemd1")
+        except Exception as e:
+            raise OwnershipError(f"cannot reach systemd over D-Bus: {e}") from e
+        own_service, own_slice = _own_service_and_slice()
+        self.service = own_service or service_name(instance)
+        self.slice = own_slice
+
+    def reset_failed(self, unit: str) -> None:
+        try:
+            self.manager.ResetFailedUnit(unit)
+        except Exception:
+            pass  # not failed, or already collected
+
+    def _scopes_of(self, instance: str) -> list[tuple[str, str]]:
+        units = self.manager.ListUnitsByPatterns([], [f"{UNIT_PREFIX}-{instance}-*.scope"])
+        return [(u[0], u[3]) for u in units]  # (name, active state)
+
+    async def reclaim_leftovers(self, instance: str, policy: str) -> list[str]:
+        cleaned = []
+        for unit, active in await asyncio.to_thread(self._scopes_of, instance):
+            if active not in ("active", "activating", "deactivating"):
+                await asyncio.to_thread(self.reset_failed, unit)
+                continue
+            if policy == "refuse":
+                raise OwnershipError(f"scope {unit} of a previous run is still {active}; stop it (systemctl stop {unit}) or set leftovers = \"clean\"")
+            await asyncio.to_thread(self.manager.KillUnit, unit, "all", int(signal.SIGKILL))
+            await asyncio.to_thread(self._stop_and_wait, unit)
+            cleaned.append(unit)
+        return cleaned
+
+    def _stop_and_wait(self, unit: str) -> None:
+        try:
+            self.manager.StopUnit(unit, "replace")
+        except Exception:
+            return
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                path = self.manager.GetUnit(unit)
+            except Exception:
+                return  # collected
+            del path
+            time.sleep(0.01)
+
+    async def _create_group(self, instance: str, process: str) -> ProcessGroup:
+        unit = scope_name(instance, process)
+        await asyncio.to_thread(self._clear_name, unit)
+        return ScopeGroup(self, unit, process)
+
+    def _clear_name(self, unit: str) -> None:
+        """A scope of that name from an earlier start must be gone before we reuse the name."""
+        try:
+            self.manager.GetUnit(unit)
+        except Exception:
+            return
+        try:
+            self.manager.KillUnit(unit, "all", int(signal.SIGKILL))
+        except Exception:
+            pass
+        self._stop_and_wait(unit)
+        self.reset_failed(unit)
+
+    async def _adopt(self, group: ProcessGroup, pid: int) -> ProcessGroup:
+        assert isinstance(group, ScopeGroup)
+        from gi.repository import GLib
+
+        props = [
+            ("PIDs", GLib.Variant("au", [pid])),
+            ("Description", GLib.Variant("s", f"supervisord-gpu {self.instance}: {group.process}")),
+            ("BindsTo", GLib.Variant("as", [self.service])),
+            ("KillMode", GLib.Variant("s", "control-group")),
+            ("SendSIGKILL", GLib.Variant("b", True)),
+            ("CollectMode", GLib.Variant("s", "inactive-or-failed")),
+        ]
+        if self.slice:
+            props.append(("Slice", GLib.Variant("s", self.slice)))
+        try:
+            await asyncio.to_thread(self.manager.StartTransientUnit, group.unit, "fail", props, [])
+        except Exception as e:
+            raise OwnershipError(f"systemd refused scope {group.unit}: {e}") from e
+        suffix = "/" + group.unit
+        deadline = time.monotonic() + ADOPT_TIMEOUT_S
+        while True:  # the start job is quick; the child is held at the gate meanwhile
+            cg = _pid_cgroup(pid)
+            if cg and cg.endswith(suffix):
+                group.bind(cg)
+                return group
+            if time.monotonic() > deadline:
+                raise OwnershipError(f"pid {pid} did not move into {group.unit} (still in {cg})")
+            await asyncio.sleep(0.002)
