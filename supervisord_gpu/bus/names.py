@@ -1,0 +1,49 @@
+"""Every D-Bus name of supervisord-gpu, in one place (firewalld's lesson).
+
+One daemon per instance, so one well-known name per instance:
+    bus name   org.supervisordgpu.instance.<escaped instance>
+    object     /org/supervisordgpu/Instance
+    interface  org.supervisordgpu.Instance1
+The instance name is escaped the way systemd escapes unit names into object paths:
+every byte outside [A-Za-z0-9] becomes _XX (hex), and a leading digit is escaped too,
+so "tp4-512k" is "tp4_2d512k" and the mapping is reversible.
+"""
+
+from __future__ import annotations
+
+import re
+
+BUS_PREFIX = "org.supervisordgpu.instance"
+OBJECT_PATH = "/org/supervisordgpu/Instance"
+INTERFACE = "org.supervisordgpu.Instance1"
+SIGNAL_STATE_CHANGED = "StateChanged"
+
+READ_METHODS = ("GetStatus", "GetProcess", "GetHistory", "Ping")
+CONTROL_METHODS = ("Stop", "Restart", "RestartProcess")
+
+SYSTEMD_BUS = "org.freedesktop.systemd1"
+SYSTEMD_PATH = "/org/freedesktop/systemd1"
+
+
+def escape(instance: str) -> str:
+    out = []
+    for i, ch in enumerate(instance):
+        if ch.isascii() and ch.isalnum() and not (i == 0 and ch.isdigit()):
+            out.append(ch)
+        else:
+            out.extend(f"_{b:02x}" for b in ch.encode())
+    return "".join(out)
+
+
+def unescape(escaped: str) -> str:
+    return re.sub(rb"_([0-9a-f]{2})", lambda m: bytes([int(m[1], 16)]), escaped.encode()).decode()
+
+
+def bus_name(instance: str) -> str:
+    return f"{BUS_PREFIX}.{escape(instance)}"
+
+
+def instance_of_bus_name(name: str) -> str | None:
+    if not name.startswith(BUS_PREFIX + "."):
+        return None
+    return unescape(name[len(BUS_PREFIX) + 1 :])
