@@ -36,6 +36,8 @@ class RunOptions:
     listeners: list[Callable[[Event], None]] = field(default_factory=list)
     notifier: Notifier | None = None
     quiet_children: bool = False
+    #: serve the D-Bus API ("auto": when a system bus is reachable)
+    bus: str = "auto"
 
 
 def effective_config(cfg: DaemonConfig, rehearsal: bool) -> DaemonConfig:
@@ -80,6 +82,7 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
         GPUSUP_EVENT="begin",
     )
     keepalive = loop.create_task(notifier.run(instance, healthy=lambda: instance.state.value != "failed"))
+    bus = start_bus(cfg, profile, instance, stop, opts, sink)
     try:
         inventory = inventory_for(cfg, cfg.rehearsal.enabled)
         start = loop.create_task(instance.start(preflight=lambda: refuse_unless_clear(profile, inventory)))
@@ -113,8 +116,59 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
         return EXIT_OK
     finally:
         keepalive.cancel()
+        if bus is not None:
+            bus.close()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+
+
+def start_bus(cfg: DaemonConfig, profile: Profile, instance: Instance, stop: asyncio.Event, opts: RunOptions, sink):  # type: ignore[no-untyped-def]
+    """Publish the instance on the system bus; without a bus the daemon still runs, and says so."""
+    if opts.bus == "off":
+        return None
+    from .bus.service import BusService, Controls
+
+    loop = asyncio.get_running_loop()
+
+    async def request_stop() -> None:
+        stop.set()
+
+    async def restart_all() -> None:
+        from .preflight import inventory_for, refuse_unless_clear
+
+        await instance.stop("restart requested")
+        inventory = inventory_for(cfg, cfg.rehearsal.enabled)
+        try:
+            await instance.start(preflight=lambda: refuse_unless_clear(profile, inventory))
+        except SupervisorError as e:
+            sink.event(f"restart failed: {e}", 3, GPUSUP_EVENT="start-failed")
+            instance.failed.set()
+
+    controls = Controls(request_stop, restart_all, instance.restart_process, lambda: list(instance.processes))
+    try:
+        service = BusService(profile.name, loop, controls, cfg.control_group)
+    except Exception as e:  # no bus, or the name is taken: run on, loudly
+        if opts.bus == "on":
+            raise
+        sink.event(f"D-Bus API not available ({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}); running without it", 4)
+        return None
+
+    def publish(event: Event | None = None) -> None:
+        st = instance.status()
+        service.publish(st.to_json(), status_text(st))
+        if event is not None and event.kind in ("instance", "process"):
+            service.emit(event.process or "", event.state or "", event.message)
+
+    instance.listeners.append(publish)
+    publish()
+
+    async def refresh() -> None:  # phase elapsed times move on even when nothing happens
+        while True:
+            await asyncio.sleep(1.0)
+            publish()
+
+    service.on_close(loop.create_task(refresh()).cancel)
+    return service
 
 
 def run(profile_name: str, config_dir: str | None, opts: RunOptions) -> int:

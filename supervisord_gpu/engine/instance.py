@@ -6,6 +6,7 @@ The instance is the only owner of its processes' state, and lives on one asyncio
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,13 @@ class InstanceStatus:
     driver: str
     processes: list[ProcessStatus] = field(default_factory=list)
     transition: str = ""
+
+    def to_json(self) -> dict[str, object]:
+        """The stable shape of `gpusupctl status --json` and of D-Bus GetStatus (see the README)."""
+        data = dataclasses.asdict(self)
+        data["instance"] = data.pop("name")
+        data["snapshot_at"] = time.time()
+        return data
 
 
 class Instance:

@@ -1,0 +1,195 @@
+"""The daemon's D-Bus object: reads from a snapshot, controls through the engine's loop.
+
+pydbus serves from a GLib main loop, which runs in its own thread; the engine stays on its
+asyncio loop. The bus thread never touches engine objects: it reads the latest status
+snapshot (a JSON string the loop publishes on every event) and hands control calls to the
+loop with run_coroutine_threadsafe. Control methods check the caller's uid themselves, so a
+permissive bus policy does not open them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import json
+import os
+import pwd
+import threading
+from typing import Any, Callable
+
+from . import names
+from .exports import export, exported_methods, introspection_xml
+
+
+def _error(name: str) -> type[Exception]:
+    # pydbus turns the exception class's __name__ into the D-Bus error name.
+    return type(f"org.supervisordgpu.Error.{name}", (Exception,), {})
+
+
+AccessDenied = _error("AccessDenied")
+UnknownProcess = _error("UnknownProcess")
+Busy = _error("Busy")
+
+
+class Controls:
+    """What the bus may ask the daemon to do; implemented on the daemon's loop."""
+
+    def __init__(self, stop: Callable[[], Any], restart: Callable[[], Any], restart_process: Callable[[str], Any],
+                 process_names: Callable[[], list[str]]) -> None:
+        self.stop = stop
+        self.restart = restart
+        self.restart_process = restart_process
+        self.process_names = process_names
+
+
+def uid_may_control(uid: int, group: str) -> bool:
+    if uid == 0:
+        return True
+    try:
+        user = pwd.getpwuid(uid)
+        gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        return False
+    return gid in os.getgrouplist(user.pw_name, user.pw_gid)
+
+
+class InstanceObject:
+    """Published at names.OBJECT_PATH under names.bus_name(instance)."""
+
+    def __init__(self, instance: str, loop: asyncio.AbstractEventLoop, controls: Controls, control_group: str,
+                 caller_uid: Callable[[str], int]) -> None:
+        self._instance = instance
+        self._loop = loop
+        self._controls = controls
+        self._group = control_group
+        self._caller_uid = caller_uid
+        self.snapshot = json.dumps({"instance": instance, "state": "starting", "processes": []})
+        self.status_text = "starting"
+        self.state = "starting"
+        self.emitter: Callable[[str, str, str, str], None] | None = None
+
+    # ---------------------------------------------------------------- authorization
+
+    def _authorize(self, dbus_context: Any, method: str) -> None:
+        sender = dbus_context.sender if dbus_context is not None else None
+        uid = self._caller_uid(sender) if sender else 0
+        if not uid_may_control(uid, self._group):
+            raise AccessDenied(f"{method} needs root or membership of group {self._group!r} (caller uid {uid})")
+
+    def _schedule(self, coro_fn: Callable[[], Any]) -> None:
+        async def runner() -> None:
+            await coro_fn()
+
+        asyncio.run_coroutine_threadsafe(runner(), self._loop)
+
+    # ---------------------------------------------------------------- reads
+
+    @export("", "s")
+    def GetStatus(self) -> str:
+        """The whole instance as JSON (documented in the README: `status --json`)."""
+        return self.snapshot
+
+    @export("s", "s")
+    def GetProcess(self, name: str) -> str:
+        for proc in json.loads(self.snapshot).get("processes", []):
+            if proc["name"] == name:
+                return json.dumps(proc)
+        raise UnknownProcess(f"instance {self._instance} has no process {name!r}")
+
+    @export("s", "s")
+    def GetHistory(self, name: str) -> str:
+        return json.dumps(json.loads(self.GetProcess(name)).get("history", []))
+
+    @export("", "s")
+    def Ping(self) -> str:
+        return self._instance
+
+    # ---------------------------------------------------------------- controls
+
+    @export("", "s", control=True)
+    def Stop(self, dbus_context: Any = None) -> str:
+        self._authorize(dbus_context, "Stop")
+        self._schedule(self._controls.stop)
+        return f"stopping {self._instance}"
+
+    @export("", "s", control=True)
+    def Restart(self, dbus_context: Any = None) -> str:
+        self._authorize(dbus_context, "Restart")
+        self._schedule(self._controls.restart)
+        return f"restarting {self._instance}"
+
+    @export("s", "s", control=True)
+    def RestartProcess(self, name: str, dbus_context: Any = None) -> str:
+        self._authorize(dbus_context, "RestartProcess")
+        if name not in self._controls.process_names():
+            raise UnknownProcess(f"instance {self._instance} has no process {name!r}")
+        self._schedule(lambda: self._controls.restart_process(name))
+        return f"restarting {self._instance}/{name}"
+
+    # ---------------------------------------------------------------- properties
+
+    @property
+    def Name(self) -> str:
+        return self._instance
+
+    @property
+    def State(self) -> str:
+        return self.state
+
+    @property
+    def StatusText(self) -> str:
+        return self.status_text
+
+
+SIGNALS = {names.SIGNAL_STATE_CHANGED: [("instance", "s"), ("process", "s"), ("state", "s"), ("message", "s")]}
+PROPERTIES = {"Name": "s", "State": "s", "StatusText": "s"}
+InstanceObject.dbus = introspection_xml(InstanceObject, names.INTERFACE, SIGNALS, PROPERTIES)  # type: ignore[attr-defined]
+CONTROL_METHODS = tuple(n for n, (_i, _o, control) in exported_methods(InstanceObject).items() if control)
+
+
+class BusService:
+    """Owns the GLib thread, the bus name and signal emission for one instance."""
+
+    def __init__(self, instance: str, loop: asyncio.AbstractEventLoop, controls: Controls, control_group: str) -> None:
+        from gi.repository import GLib
+        from pydbus import SystemBus
+
+        self._GLib = GLib
+        self.bus = SystemBus()
+        self.obj = InstanceObject(instance, loop, controls, control_group, self._caller_uid)
+        self._glib_loop = GLib.MainLoop()
+        self._publication = self.bus.publish(names.bus_name(instance), (names.OBJECT_PATH, self.obj))
+        self._thread = threading.Thread(target=self._glib_loop.run, name="dbus", daemon=True)
+        self._thread.start()
+        self._on_close: list[Callable[[], Any]] = []
+
+    def on_close(self, fn: Callable[[], Any]) -> None:
+        self._on_close.append(fn)
+
+    def _caller_uid(self, sender: str) -> int:
+        return int(self.bus.dbus.GetConnectionUnixUser(sender))
+
+    def publish(self, snapshot: dict[str, Any], status_text: str) -> None:
+        """Called on the engine's loop: swap in the new snapshot (an atomic reference swap)."""
+        self.obj.snapshot = json.dumps(snapshot)
+        self.obj.status_text = status_text
+        self.obj.state = snapshot.get("state", "")
+
+    def emit(self, process: str, state: str, message: str) -> None:
+        instance = self.obj.Name
+
+        def send() -> bool:
+            self.bus.con.emit_signal(
+                None, names.OBJECT_PATH, names.INTERFACE, names.SIGNAL_STATE_CHANGED,
+                self._GLib.Variant("(ssss)", (instance, process, state, message)),
+            )
+            return False
+
+        self._GLib.idle_add(send)
+
+    def close(self) -> None:
+        for fn in self._on_close:
+            fn()
+        self._publication.unpublish()
+        self._glib_loop.quit()
+        self._thread.join(timeout=2)
