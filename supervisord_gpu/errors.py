@@ -61,3 +61,15 @@ class BusError(SupervisorError):
     """The daemon or the bus cannot be reached."""
 
     exit_code = EXIT_UNREACHABLE
+
+
+class OperationFailed(SupervisorError):
+    """A start, stop or call that was accepted but did not succeed."""
+
+    exit_code = EXIT_FAILED
+
+
+class PermissionDenied(SupervisorError):
+    """A control call refused for the caller (not root, not in the control group)."""
+
+    exit_code = EXIT_FAILED

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable
 
@@ -22,6 +23,11 @@ def guarded(prog: str, fn: Callable[[], int]) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as e:  # a bug of ours: still one line, details only on request
+        if os.environ.get("SUPERVISORD_GPU_DEBUG"):
+            raise
+        sys.stderr.write(f"{prog}: internal error: {e.__class__.__name__}: {e} (set SUPERVISORD_GPU_DEBUG=1 for details)\n")
+        return 1
 
 
 def exit_usage(prog: str, message: str) -> int:

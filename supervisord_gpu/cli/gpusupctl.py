@@ -48,6 +48,24 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     _config_arg(c)
 
+    st = sub.add_parser("status", help="every dsv4@ instance, its processes, and a GPU summary")
+    st.add_argument("name", metavar="NAME", nargs="?")
+    st.add_argument("--json", action="store_true")
+    _config_arg(st)
+
+    for verb, text in (("start", "start dsv4@NAME through systemd"), ("stop", "stop dsv4@NAME through systemd"),
+                       ("restart", "restart dsv4@NAME through systemd")):
+        v = sub.add_parser(verb, help=text)
+        v.add_argument("name", metavar="NAME")
+        v.add_argument("--wait", action="store_true", help="follow progress live until ready, stopped or failed")
+        v.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS", help="give up waiting after this long")
+
+    lg = sub.add_parser("logs", help="the journal of dsv4@NAME, optionally of one process")
+    lg.add_argument("name", metavar="NAME")
+    lg.add_argument("process", metavar="PROCESS", nargs="?")
+    lg.add_argument("-f", "--follow", action="store_true")
+    lg.add_argument("-n", "--lines", type=int, metavar="N")
+
     g = sub.add_parser("gpus", help="GPU memory, idle or not, and who holds each GPU")
     g.add_argument("--rehearsal", action="store_true", help="show the simulated GPUs")
     g.add_argument("--json", action="store_true")
@@ -57,7 +75,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    handler = {"render": cmd_render, "rehearse": cmd_rehearse, "check": cmd_check, "gpus": cmd_gpus}[args.command]
+    handler = {
+        "render": cmd_render, "rehearse": cmd_rehearse, "check": cmd_check, "gpus": cmd_gpus, "status": cmd_status,
+        "start": cmd_unit, "stop": cmd_unit, "restart": cmd_unit, "logs": cmd_logs,
+    }[args.command]
     return guarded(PROG, lambda: handler(args))
 
 
@@ -229,6 +250,60 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     else:
         print(render_gpu_table(states, holders))
     return 0
+
+
+# ----------------------------------------------------------------------------- status, start/stop, logs
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from ..errors import EXIT_UNREACHABLE
+    from .status_view import collect, render
+
+    data = collect(args.config_dir, args.name)
+    if args.json:
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        print(render(data))
+    if args.name and not data["instances"]:
+        return 2
+    return 0 if data["bus"] else EXIT_UNREACHABLE
+
+
+def cmd_unit(args: argparse.Namespace) -> int:
+    from ..bus.client import SystemdClient, connect, follow
+    from ..config.loader import INSTANCE_NAME_RE
+    from ..errors import UsageError
+
+    if not INSTANCE_NAME_RE.match(args.name):
+        raise UsageError(f"{args.name!r} is not a valid instance name")
+    bus = connect()
+    if not args.wait:
+        getattr(SystemdClient(bus), args.command)(args.name)
+        print(f"{args.command} of dsv4@{args.name}.service queued")
+        return 0
+    final = follow(bus, args.name, args.command, args.timeout, print)
+    want = "inactive" if args.command == "stop" else "active"
+    print(f"dsv4@{args.name}.service: {final}")
+    return 0 if final == want else 1
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    import os
+
+    argv = ["journalctl", "-u", f"dsv4@{args.name}.service", "--no-hostname"]
+    if args.process:
+        argv.append(f"GPUSUP_PROCESS={args.process}")
+    if args.follow:
+        argv.append("-f")
+    if args.lines is not None:
+        argv += ["-n", str(args.lines)]
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as e:
+        from ..errors import OperationFailed
+
+        raise OperationFailed(f"cannot run journalctl: {e.strerror}")
+    return 1
 
 
 if __name__ == "__main__":

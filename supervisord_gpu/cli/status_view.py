@@ -1,0 +1,150 @@
+"""`gpusupctl status`: collect what can be known, say what cannot, and lay it out in 80 columns."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from ..errors import SupervisorError
+
+ACTIVE = ("active", "activating", "deactivating", "reloading")
+
+
+def collect(config_dir: str | None, only: str | None = None) -> dict[str, Any]:
+    """Everything `status` shows, as the stable JSON of `status --json` (documented in the README)."""
+    notes: list[str] = []
+    profiles: list[str] = []
+    cfg = None
+    try:
+        from ..config.loader import list_profiles, load_daemon_config
+
+        cfg = load_daemon_config(config_dir)
+        profiles = list_profiles(cfg)
+    except SupervisorError as e:
+        notes.append(f"config: {e}")
+
+    units: dict[str, Any] = {}
+    bus = None
+    try:
+        from ..bus.client import SystemdClient, connect
+
+        bus = connect()
+        for u in SystemdClient(bus).units():
+            units[u.instance] = u
+    except SupervisorError as e:
+        notes.append(f"{e}; instance states unknown")
+        bus = None
+
+    instances = []
+    for name in sorted(set(profiles) | set(units)):
+        if only and name != only:
+            continue
+        u = units.get(name)
+        entry: dict[str, Any] = {
+            "instance": name,
+            "unit": f"dsv4@{name}.service",
+            "active_state": u.active if u else ("unknown" if bus is None else "inactive"),
+            "sub_state": u.sub if u else "",
+            "since": (u.since_us / 1e6) if u and u.since_us else None,
+            "status_text": u.status_text if u else "",
+            "result": u.result if u else "",
+            "profile_exists": name in profiles,
+            "daemon": None,
+        }
+        if bus is not None and u is not None and u.active in ACTIVE:
+            try:
+                from ..bus.client import InstanceClient
+
+                entry["daemon"] = InstanceClient(bus, name).status()
+            except SupervisorError as e:
+                notes.append(str(e))
+        instances.append(entry)
+    if only and not instances:
+        notes.append(f"no instance or profile named {only!r}")
+
+    gpus = None
+    try:
+        from ..checks.holders import describe_pid
+        from ..preflight import inventory_for
+
+        if cfg is not None:
+            inv = inventory_for(cfg, cfg.rehearsal.enabled)
+            gpus = []
+            for s in inv.snapshot():
+                holders = [describe_pid(p.pid) for p in s.processes]
+                gpus.append({
+                    "index": s.index, "name": s.name, "used_mib": s.used_mib, "total_mib": s.total_mib, "idle": s.idle,
+                    "holders": [
+                        {"pid": h.pid, "owner": f"{h.owner.instance}/{h.owner.process}" if h.owner else None,
+                         "description": h.describe()} for h in holders
+                    ],
+                })
+            gpus_kind = inv.kind
+        else:
+            gpus_kind = None
+    except SupervisorError as e:
+        notes.append(f"GPUs unknown: {e}")
+        gpus_kind = None
+    return {"instances": instances, "gpus": gpus, "gpu_backend": gpus_kind, "notes": notes,
+            "bus": bus is not None, "at": time.time()}
+
+
+def _ago(seconds: float) -> str:
+    s = int(max(0, seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def _ranges(gpus: list[int]) -> str:
+    from ..systemd.notify import gpu_ranges
+
+    return gpu_ranges(gpus) if gpus else "-"
+
+
+def render(data: dict[str, Any], colour: bool | None = None) -> str:
+    colour = sys.stdout.isatty() if colour is None else colour
+    paint = {"active": "32", "ready": "32", "failed": "31", "activating": "33", "starting": "33", "degraded": "33",
+             "deactivating": "33", "stopping": "33", "restarting": "33"}
+
+    def c(text: str, key: str | None = None) -> str:
+        code = paint.get(key or text)
+        return f"\033[{code}m{text}\033[0m" if colour and code else text
+
+    now = data["at"]
+    lines: list[str] = []
+    for inst in data["instances"]:
+        state = inst["active_state"]
+        daemon = inst["daemon"]
+        shown = daemon["state"] if daemon else state
+        up = f"  {'up' if state == 'active' else 'since'} {_ago(now - inst['since'])}" if inst["since"] else ""
+        head = f"{inst['unit']:<28} {c(shown):<10}{up}"
+        lines.append(head)
+        text = inst["status_text"] or (daemon or {}).get("reason", "")
+        if state == "failed" and inst["result"]:
+            text = f"{text} (result: {inst['result']})".strip()
+        if text:
+            lines.append(f"  {text[:76]}")
+        if daemon:
+            lines.append(f"  {'PROCESS':<9}{'ROLE':<8}{'PID':>8} {'PORT':>6} {'GPUS':<6}{'PHASE':<20}{'RST':>3}  HEALTH")
+            for p in daemon["processes"]:
+                phase = (p["phase"] or "-")[:13] + (f" {_ago(p['phase_elapsed_s'])}" if p["phase"] else "")
+                lines.append(
+                    f"  {p['name'][:8]:<9}{p['role'][:7]:<8}{p['pid'] or '-':>8} {p['port']:>6} {_ranges(p['gpus']):<6}"
+                    f"{phase[:19]:<20}{p['restarts']:>3}  {c(p['state'])}"
+                )
+    if not data["instances"]:
+        lines.append("no dsv4@ instances and no profiles found")
+    if data["gpus"] is not None:
+        lines.append("")
+        lines.append(f"GPUs ({data['gpu_backend']}):  {'GPU':<4}{'MEMORY USED/TOTAL':<22}{'IDLE':<6}HELD BY")
+        for g in data["gpus"]:
+            held = ", ".join(h["owner"] or f"pid {h['pid']} (foreign)" for h in g["holders"]) or "-"
+            mem = f"{g['used_mib']}/{g['total_mib']} MiB"
+            lines.append(f"{'':<14}{g['index']:<4}{mem:<22}{c('yes', 'ready') if g['idle'] else c('no', 'failed'):<6}{held[:33]}")
+    for note in data["notes"]:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
