@@ -83,6 +83,7 @@ class ManagedProcess:
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.history: collections.deque[Readiness] = collections.deque(maxlen=50)
         self.exit_code: int | None = None
+        self.exited_at: float | None = None  # monotonic time the main process was reaped
         self.last_stop_s: float | None = None
         self.phase_durations: dict[str, float] = {}
         self._exited = asyncio.Event()
@@ -188,6 +189,7 @@ class ManagedProcess:
         assert self.spawned is not None
         code = await self.spawned.proc.wait()
         self.exit_code = code
+        self.exited_at = time.monotonic()
         self.last_exit = describe_exit(code)
         self._exited.set()
         self._wake.set()
