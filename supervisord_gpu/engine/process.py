@@ -90,6 +90,8 @@ class ManagedProcess:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        #: a router's readiness needs all of its workers healthy, not just one
+        self.expected_workers = len(self.spec.workers) + len(self.spec.prefill) + len(self.spec.decode)
         #: called with this process when it exits on its own while ready or restarting
         self.on_unexpected_exit: Callable[["ManagedProcess"], None] | None = None
 
@@ -212,7 +214,7 @@ class ManagedProcess:
         while True:
             if self._exited.is_set():
                 raise StartError(self._failure(f"exited during start-up ({self.last_exit})"))
-            status = await http_status(host, spec.port, spec.probe.path, spec.probe.timeout_s)
+            status = await http_status(host, spec.port, spec.probe.path, spec.probe.timeout_s, self.expected_workers)
             if status == 200 and not self._exited.is_set():
                 self.ready_since = time.time()
                 self.phase_durations["total"] = time.monotonic() - started
