@@ -1,0 +1,228 @@
+"""Ordered transitions: stop the instances that hold what a profile needs, verify, then start.
+
+systemd cannot say "conflicts with any other dsv4@ instance", so the daemon of the instance
+being started does it: it validates the new profile in full *before* touching anything,
+finds the instances whose GPUs or ports overlap, stops them through systemd (each one's own
+daemon drains the router and stops decode, then prefill, each verified gone), waits until
+the GPUs are verified idle and the ports free, and only then starts. One transition at a
+time per machine (a lock in the runtime directory); a failed start brings the old ones back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .config.loader import load_profile
+from .config.model import DaemonConfig, Profile
+from .errors import ConfigError, PreconditionError, SupervisorError
+from .ownership import under_systemd_service
+from . import registry
+
+LOCK_WAIT_S = 30.0
+
+
+@dataclass
+class Conflict:
+    instance: str
+    gpus: list[int]
+    ports: list[int]
+    stop_deadline_s: float
+    via: str  # "systemd" or "pid <n>"
+
+    def describe(self) -> str:
+        held = []
+        if self.gpus:
+            held.append(f"GPUs {','.join(map(str, self.gpus))}")
+        if self.ports:
+            held.append(f"ports {','.join(map(str, self.ports))}")
+        return f"dsv4@{self.instance} ({' and '.join(held)})"
+
+
+@dataclass
+class Step:
+    what: str
+    deadline_s: float | None
+    verifies: str
+
+
+@dataclass
+class Plan:
+    target: str
+    conflicts: list[Conflict]
+    steps: list[Step] = field(default_factory=list)
+
+    def render(self) -> str:
+        lines = [f"plan: switch to {self.target}" + (f" from {', '.join(c.instance for c in self.conflicts)}" if self.conflicts else " (nothing to stop)")]
+        for i, s in enumerate(self.steps, 1):
+            deadline = f"deadline {s.deadline_s:g} s" if s.deadline_s is not None else "no deadline"
+            lines.append(f"  {i}. {s.what}")
+            lines.append(f"     {deadline}; verifies: {s.verifies}")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- who is in the way
+
+
+def _active_units() -> dict[str, str]:
+    """Active dsv4@ instances according to systemd, or {} without it."""
+    try:
+        from .bus.client import SystemdClient, connect
+
+        return {u.instance: u.active for u in SystemdClient(connect()).units()
+                if u.active in ("active", "activating", "reloading")}
+    except SupervisorError:
+        return {}
+
+
+def find_conflicts(profile: Profile, cfg: DaemonConfig, use_systemd: bool | None = None) -> list[Conflict]:
+    use_systemd = under_systemd_service() if use_systemd is None else use_systemd
+    candidates: dict[str, str] = {}
+    if use_systemd:
+        candidates.update({name: "systemd" for name in _active_units()})
+    for rec in registry.running(cfg.runtime_dir):
+        candidates.setdefault(rec.instance, f"pid {rec.pid}")
+    wanted_gpus = set(profile.gpus)
+    wanted_ports = {l.port for l in profile.listens()}
+    out = []
+    for name, via in sorted(candidates.items()):
+        if name == profile.name:
+            continue
+        try:
+            other = load_profile(cfg, name)
+            gpus, ports = set(other.gpus), {l.port for l in other.listens()}
+            deadline = sum(p.stop_timeout_s for p in other.processes) + 10
+        except ConfigError:
+            rec = next((r for r in registry.running(cfg.runtime_dir) if r.instance == name), None)
+            if rec is None:
+                continue
+            gpus, ports, deadline = set(rec.gpus), set(rec.ports), 600.0
+        overlap_g, overlap_p = sorted(gpus & wanted_gpus), sorted(ports & wanted_ports)
+        if overlap_g or overlap_p:
+            out.append(Conflict(name, overlap_g, overlap_p, deadline, via))
+    return out
+
+
+def make_plan(profile: Profile, cfg: DaemonConfig, conflicts: list[Conflict], flags_how: str) -> Plan:
+    plan = Plan(profile.name, conflicts)
+    plan.steps.append(Step(
+        f"preflight {profile.name}: config, SGLang options ({flags_how}), model paths, GPUs "
+        f"{','.join(map(str, sorted(profile.gpus)))} present, no foreign holder", None,
+        "nothing running is touched if any check fails"))
+    for c in conflicts:
+        other = None
+        try:
+            other = load_profile(cfg, c.instance)
+        except ConfigError:
+            pass
+        order = " -> ".join(other.stop_order) if other else "its own order"
+        plan.steps.append(Step(f"stop dsv4@{c.instance} ({'systemd' if c.via == 'systemd' else c.via}): {order}, "
+                               "each verified gone (cgroup empty) before the next", c.stop_deadline_s,
+                               f"dsv4@{c.instance} inactive"))
+    listens = ", ".join(f"{l.host}:{l.port}" for l in profile.listens())
+    plan.steps.append(Step(f"wait until GPUs {','.join(map(str, sorted(profile.gpus)))} are idle and {listens} free",
+                           cfg.gpus.wait_idle_timeout_s, "NVML (or simulated) memory at baseline, no compute processes; bind test"))
+    for spec in profile.processes:
+        plan.steps.append(Step(f"start {spec.name} ({spec.role}) and wait for {spec.probe.path} 200 on {spec.probe_host}:{spec.port}",
+                               spec.start_timeout_s, f"{spec.probe.path} answers 200"))
+    if conflicts and profile.rollback:
+        plan.steps.append(Step(f"if {profile.name} fails to become ready: stop what started, start "
+                               f"{', '.join('dsv4@' + c.instance for c in conflicts)} again", None, "rollback ready"))
+    return plan
+
+
+# ----------------------------------------------------------------------------- doing it
+
+
+class TransitionLock:
+    """One transition at a time on this machine: an flock in the runtime directory."""
+
+    def __init__(self, runtime: Path, owner: str) -> None:
+        runtime.mkdir(parents=True, exist_ok=True)
+        self.path = runtime / "transition.lock"
+        self.owner = owner
+        self.fd: int | None = None
+
+    async def acquire(self, wait_s: float = LOCK_WAIT_S) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another instance"
+                    os.close(fd)
+                    raise PreconditionError(f"refusing to start: a transition by {holder} is in progress (waited {wait_s:g} s)")
+                await asyncio.sleep(0.1)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{self.owner} (pid {os.getpid()})".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+async def stop_instance(conflict: Conflict, cfg: DaemonConfig, timeout: float) -> float:
+    """Stop one instance and wait until it is gone; returns seconds taken."""
+    began = time.monotonic()
+    if conflict.via == "systemd":
+        await asyncio.to_thread(_systemd_stop_and_wait, conflict.instance, timeout)
+    else:
+        pid = int(conflict.via.split()[1])
+        os.kill(pid, signal.SIGTERM)  # the other daemon: it stops its own processes in order
+        await _wait_pid_exit(pid, timeout)
+    return time.monotonic() - began
+
+
+def _systemd_stop_and_wait(instance: str, timeout: float) -> None:
+    from .bus.client import SystemdClient, connect
+    from .ownership.names import service_name
+
+    sd = SystemdClient(connect())
+    sd.stop(instance)
+    path = sd.manager.GetUnit(service_name(instance))
+    unit = sd.bus.get("org.freedesktop.systemd1", path)
+    deadline = time.monotonic() + timeout
+    while str(unit.ActiveState) not in ("inactive", "failed"):
+        if time.monotonic() > deadline:
+            raise PreconditionError(f"refusing to start: dsv4@{instance} did not stop within {timeout:g} s")
+        time.sleep(0.02)
+
+
+async def _wait_pid_exit(pid: int, timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    gone = asyncio.Event()
+    loop.add_reader(fd, gone.set)
+    try:
+        await asyncio.wait_for(gone.wait(), timeout)
+    except asyncio.TimeoutError:
+        raise PreconditionError(f"refusing to start: daemon pid {pid} did not exit within {timeout:g} s") from None
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
+def start_instance(conflict: Conflict) -> None:
+    """Rollback: bring an instance we stopped back (only possible through systemd)."""
+    if conflict.via != "systemd":
+        raise SupervisorError(f"cannot restart dsv4@{conflict.instance}: it was not run by systemd")
+    from .bus.client import SystemdClient, connect
+
+    SystemdClient(connect()).start(conflict.instance)
+
+
+ProgressFn = Callable[[str], None]
