@@ -65,11 +65,11 @@ def build_instance(cfg: DaemonConfig, profile: Profile, opts: RunOptions):  # ty
 
 
 async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
-    from .preflight import inventory_for, refuse_unless_clear
+    from .preflight import inventory_for, prepare_start
 
     loop = asyncio.get_running_loop()
     instance, sink = build_instance(cfg, profile, opts)
-    notifier = opts.notifier or Notifier()
+    notifier = opts.notifier or Notifier(stall_s=cfg.start_stall_timeout_s)
     notifier.attach(instance)
     instance.listeners.extend(opts.listeners)
     stop = asyncio.Event()
@@ -83,9 +83,22 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
     )
     keepalive = loop.create_task(notifier.run(instance, healthy=lambda: instance.state.value != "failed"))
     bus = start_bus(cfg, profile, instance, stop, opts, sink)
+    from . import registry
+    from .transition import TransitionLock, start_instance
+
+    lock = TransitionLock(cfg.runtime_dir, profile.name)
+    stopped: list = []  # type: ignore[type-arg]
+
+    async def preflight() -> None:
+        await lock.acquire()
+        stopped[:] = await prepare_start(profile, cfg, inventory, say=lambda m, p: sink.event(m, p, GPUSUP_EVENT="transition"),
+                                         progress=instance.set_transition)
+        instance.set_transition("")
+
     try:
         inventory = inventory_for(cfg, cfg.rehearsal.enabled)
-        start = loop.create_task(instance.start(preflight=lambda: refuse_unless_clear(profile, inventory)))
+        registry.register(cfg.runtime_dir, profile, instance.owner.name)
+        start = loop.create_task(instance.start(preflight=preflight))
         stopper = loop.create_task(stop.wait())
         await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if not start.done():  # told to stop while starting: abandon the start, stop in order
@@ -94,13 +107,24 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
                 await start
             except (asyncio.CancelledError, SupervisorError):
                 pass
+            lock.release()
             notifier.send("STOPPING=1")
             return EXIT_OK
         stopper.cancel()
+        lock.release()
         exc = start.exception()
         if exc is not None:
+            instance.set_transition("")
             notifier.status(status_text(instance.status()))
             sink.event(str(exc), 3, GPUSUP_EVENT="start-failed")
+            if stopped and profile.rollback:
+                for c in stopped:
+                    try:
+                        start_instance(c)
+                        sink.event(f"rollback: {profile.name} failed to start; dsv4@{c.instance} started again", 4,
+                                   GPUSUP_EVENT="rollback")
+                    except SupervisorError as e:
+                        sink.event(f"rollback of dsv4@{c.instance} failed: {e}", 3, GPUSUP_EVENT="rollback")
             raise exc
         if opts.on_ready:
             opts.on_ready(instance)
@@ -115,6 +139,8 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
         await instance.stop("stop requested")
         return EXIT_OK
     finally:
+        lock.release()
+        registry.unregister(cfg.runtime_dir, profile.name)
         keepalive.cancel()
         if bus is not None:
             bus.close()

@@ -139,6 +139,7 @@ def load_daemon_config(config_dir: Path | str | None = None) -> DaemonConfig:
     default_user = d.str("default_user", None)
     strict_modes = d.bool("strict_modes", True)
     control_group = d.str("control_group", "gpusup")
+    stall = d.number("start_stall_timeout", 120.0, lo=1.0, hi=86400)
     d.finish()
 
     s = top.table("sglang")
@@ -189,6 +190,7 @@ def load_daemon_config(config_dir: Path | str | None = None) -> DaemonConfig:
         default_user=default_user,
         strict_modes=strict_modes,
         control_group=control_group,
+        start_stall_timeout_s=stall,
         sglang_command=server_command,
         router_command=router_command,
         gpus=GpuConfig(backend, tolerance, tuple(baselines), wait_idle),

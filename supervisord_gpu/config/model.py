@@ -169,6 +169,8 @@ class DaemonConfig:
     default_user: str | None = None
     strict_modes: bool = True
     control_group: str = "gpusup"
+    #: while starting, no new log line or phase for this long means stuck: stop extending systemd's timeout
+    start_stall_timeout_s: float = 120.0
     sglang_command: tuple[str, ...] = ("python3", "-m", "sglang.launch_server")
     router_command: tuple[str, ...] = ("python3", "-m", "sglang_router.launch_router")
     gpus: GpuConfig = field(default_factory=GpuConfig)

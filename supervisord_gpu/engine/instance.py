@@ -90,6 +90,11 @@ class Instance:
         self.state, self.reason, self.since = state, reason, time.time()
         self._emit(Event("instance", self.name, reason or state.value, state=state.value))
 
+    def set_transition(self, text: str) -> None:
+        """Where a transition is (shown in STATUS= and `gpusupctl status`); "" when none."""
+        self.transition = text
+        self._emit(Event("transition", self.name, text, state=self.state.value))
+
     def status(self) -> InstanceStatus:
         return InstanceStatus(
             name=self.name,

@@ -64,7 +64,8 @@ def status_text(st: InstanceStatus) -> str:
 class Notifier:
     """Speaks the sd_notify protocol for one instance; a no-op without NOTIFY_SOCKET."""
 
-    def __init__(self, send: Callable[[str], None] | None = None) -> None:
+    def __init__(self, send: Callable[[str], None] | None = None, stall_s: float = STALL_S) -> None:
+        self.stall_s = stall_s
         self.enabled = bool(os.environ.get("NOTIFY_SOCKET")) or send is not None
         self._send_fn = send
         self._sd = None
@@ -107,18 +108,18 @@ class Notifier:
 
         instance.listeners.append(on_event)
 
-    def line_seen(self) -> None:
-        self.last_progress = time.monotonic()
-
     async def run(self, instance: Instance, healthy: Callable[[], bool]) -> None:
         """The keep-alive loop: STATUS refresh, EXTEND_TIMEOUT_USEC while progressing, WATCHDOG=1."""
         period = 1.0
         if self.watchdog_s:
             period = min(period, self.watchdog_s / 3)
         while True:
+            lines = [p.last_line_at for p in instance.processes.values() if p.last_line_at]
+            if lines:
+                self.last_progress = max(self.last_progress, max(lines))
             st = instance.status()
             self.status(status_text(st))
-            if st.state == State.STARTING.value and time.monotonic() - self.last_progress < STALL_S:
+            if st.state == State.STARTING.value and time.monotonic() - self.last_progress < self.stall_s:
                 self.send(f"EXTEND_TIMEOUT_USEC={int(EXTEND_STEP_S * 1e6)}")
             if self.watchdog_s and healthy():
                 self.send("WATCHDOG=1")
