@@ -35,3 +35,39 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
+
+# make deb   the Debian package, lintian-clean: build/supervisord-gpu_VERSION_all.deb.
+# debian/ lives in packaging/debian/; the package is built from a copy of the source
+# (git-tracked and untracked-but-not-ignored files) in build/deb/supervisord-gpu-UPSTREAM/.
+# DEB_OUT=DIR puts the tree and the results elsewhere (the tests build in a temporary dir).
+DEB_OUT     ?= build
+DEB_VERSION  = $(shell sed -n '1s/^[^(]*(\([^)]*\)).*/\1/p' packaging/debian/changelog)
+DEB_UPSTREAM = $(firstword $(subst -, ,$(DEB_VERSION)))
+DEB_TREE     = $(DEB_OUT)/deb/supervisord-gpu-$(DEB_UPSTREAM)
+DEB_FILE     = $(DEB_OUT)/supervisord-gpu_$(DEB_VERSION)_all.deb
+DEB_APT_PKGS = debhelper dh-python pybuild-plugin-pyproject python3-all python3-setuptools lintian
+# Debian's own tools only: pyenv shims or a virtualenv first on PATH make pybuild run the
+# wrong python ("No module named build").
+DEB_ENV      = env -u PYTHONPATH -u PYTHONHOME -u VIRTUAL_ENV PATH=/usr/sbin:/usr/bin:/sbin:/bin
+
+deb:
+	@if [ "$$(id -u)" = 0 ] && ! dpkg -s $(DEB_APT_PKGS) >/dev/null 2>&1; then \
+	    echo "installing build tools: $(DEB_APT_PKGS)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEB_APT_PKGS) >/dev/null; fi
+	@rm -rf $(DEB_OUT)/deb $(DEB_OUT)/supervisord-gpu_$(DEB_VERSION)_* && mkdir -p $(DEB_TREE)
+	@if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then \
+	    git ls-files -z --cached --others --exclude-standard \
+	      | xargs -0 sh -c 'for f; do [ -e "$$f" ] && printf "%s\0" "$$f"; done' sh \
+	      | tar --null -T - -cf - | tar -xf - -C $(DEB_TREE); \
+	else \
+	    tar --exclude=./.git --exclude=./.venv --exclude=./build --exclude=./dist --exclude='*.egg-info' \
+	        --exclude=__pycache__ --exclude=./.pytest_cache --exclude=./.mypy_cache -cf - . | tar -xf - -C $(DEB_TREE); \
+	fi
+	@rm -rf $(DEB_TREE)/debian && cp -a packaging/debian $(DEB_TREE)/debian
+	@echo "dpkg-buildpackage -us -uc -b in $(DEB_TREE) (log: $(DEB_OUT)/deb/build.log)"
+	@cd $(DEB_TREE) && $(DEB_ENV) dpkg-buildpackage -us -uc -b >../build.log 2>&1 \
+	    || { tail -n 40 ../build.log; echo "make deb: dpkg-buildpackage failed; full log in $(DEB_OUT)/deb/build.log" >&2; exit 1; }
+	@mv $(DEB_OUT)/deb/supervisord-gpu_$(DEB_VERSION)_* $(DEB_OUT)/
+	@echo "lintian $(DEB_FILE)"
+	@$(DEB_ENV) lintian --fail-on error,warning $(DEB_FILE)
+	@echo "$(DEB_FILE)"

@@ -1,0 +1,179 @@
+"""The Debian package: `make deb` builds it lintian-clean, and it installs, keeps an edited
+conffile over a reinstall, leaves running instances alone on removal, and purges clean in a
+real systemd (Debian 12 in a systemd-nspawn container).
+
+The .deb is built once per test session with `make deb DEB_OUT=<tmp>` (what a user runs,
+into a private directory) and bound read-only into each container at /debs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.systemd]
+
+REPO = Path(__file__).resolve().parents[1]
+CHANGELOG = REPO / "packaging/debian/changelog"
+VERSION = re.match(r"\S+ \(([^)]+)\)", CHANGELOG.read_text()).group(1)  # type: ignore[union-attr]
+PACKAGE = "supervisord-gpu"
+DEB_NAME = f"{PACKAGE}_{VERSION}_all.deb"
+BUILD_TOOLS = ("dpkg-buildpackage", "dh", "dh_python3", "lintian")
+
+UNIT = "/lib/systemd/system/dsv4@.service"
+POLICY = "/usr/share/dbus-1/system.d/org.supervisordgpu.conf"
+CONFFILES = (
+    "/etc/supervisord-gpu/supervisord-gpu.toml",
+    "/etc/supervisord-gpu/profiles/pd-1p1d.toml",
+    "/etc/supervisord-gpu/profiles/tp4-512k.toml",
+)
+INSTALLED = (
+    "/usr/bin/gpusupctl",
+    "/usr/bin/supervisord-gpu",
+    UNIT,
+    POLICY,
+    *CONFFILES,
+    "/usr/share/man/man1/gpusupctl.1.gz",
+    "/usr/share/man/man8/supervisord-gpu.8.gz",
+    "/usr/share/bash-completion/completions/gpusupctl",
+    "/usr/lib/python3/dist-packages/supervisord_gpu/data/sglang-0.5.23-flags.txt",
+)
+APT_ENV = {"DEBIAN_FRONTEND": "noninteractive"}
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason} (CI=true: the CI set-up must provide it)", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The package, built once per session by `make deb` into a private directory."""
+    missing = [t for t in BUILD_TOOLS if shutil.which(t, path="/usr/sbin:/usr/bin:/sbin:/bin") is None]
+    if missing and os.geteuid() != 0:  # as root, `make deb` installs its own build tools
+        _unavailable(f"building the .deb needs {', '.join(missing)} (apt-get install -y "
+                     "debhelper dh-python pybuild-plugin-pyproject python3-all python3-setuptools lintian)")
+    out = tmp_path_factory.mktemp("deb-out")
+    r = subprocess.run(["make", "--no-print-directory", "deb", f"DEB_OUT={out}"], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"make deb failed:\n{r.stdout}\n{r.stderr}"
+    path = out / DEB_NAME
+    assert path.is_file(), f"make deb did not produce {path}:\n{r.stdout}"
+    assert r.stdout.strip().splitlines()[-1] == str(path), "make deb should print the .deb path last"
+    return path
+
+
+def _dpkg_field(deb: Path, field: str) -> str:
+    return subprocess.run(["dpkg-deb", "-f", str(deb), field], check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+# --------------------------------------------------------------------------- the artifact
+
+
+def test_deb_holds_the_programs_unit_policy_conffiles_docs_and_data_file(deb: Path) -> None:
+    listing = subprocess.run(["dpkg-deb", "-c", str(deb)], check=True, capture_output=True, text=True).stdout
+    paths = {line.split()[-1].removeprefix(".") for line in listing.splitlines()}
+    assert set(INSTALLED) <= paths, f"missing from the .deb: {sorted(set(INSTALLED) - paths)}"
+    conffiles = subprocess.run(["dpkg-deb", "-I", str(deb), "conffiles"], check=True, capture_output=True,
+                               text=True).stdout.split()
+    assert sorted(conffiles) == sorted(CONFFILES)
+    assert _dpkg_field(deb, "Architecture") == "all"
+
+
+def test_deb_depends_only_on_packages_debian_has(deb: Path) -> None:
+    depends = {d.strip().split()[0] for d in _dpkg_field(deb, "Depends").split(",")}
+    assert {"python3", "python3-psutil", "python3-pydbus", "python3-gi", "python3-sdnotify", "adduser"} <= depends
+    assert not any("nvidia" in d or "pynvml" in d or "tomli" in d for d in depends), depends
+    assert _dpkg_field(deb, "Recommends") == "python3-pynvml"
+    assert _dpkg_field(deb, "Suggests") == "python3-prometheus-client"
+
+
+def test_lintian_reports_no_errors_or_warnings(deb: Path) -> None:
+    r = subprocess.run(["lintian", str(deb)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+    bad = [line for line in r.stdout.splitlines() if line.startswith(("E:", "W:"))]
+    assert not bad, "\n".join(bad)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+# --------------------------------------------------------------------------- in a real systemd
+
+
+@pytest.fixture
+def container(deb: Path, fresh_systemd_container):  # type: ignore[no-untyped-def]
+    """A freshly booted Debian 12 with only the build directory bound in (at /debs), so
+    nothing of ours is there but what the package installs; thrown away afterwards."""
+    c = fresh_systemd_container(binds=[(str(deb.parent), "/debs", True)])
+    c.run(["apt-get", "-q", "update"], env=APT_ENV, timeout=300)
+    return c
+
+
+def _apt(c, *args: str):  # type: ignore[no-untyped-def]
+    return c.run(["apt-get", "-y", "-q", *args], env=APT_ENV, timeout=300)
+
+
+def _exists(c, path: str) -> bool:  # type: ignore[no-untyped-def]
+    return c.run(["test", "-e", path], check=False).returncode == 0
+
+
+def test_installs_keeps_edited_conffile_on_reinstall_and_purges_clean(container, deb: Path) -> None:  # type: ignore[no-untyped-def]
+    c = container
+    # man-db too, so systemd-analyze verify also checks the unit's Documentation= man pages.
+    _apt(c, "install", "--no-install-recommends", f"/debs/{deb.name}", "man-db")
+
+    assert [p for p in INSTALLED if not _exists(c, p)] == []
+    c.run(["systemd-analyze", "verify", "dsv4@tp4-512k.service"])
+    assert "ExecStart=/usr/bin/supervisord-gpu run %i" in c.systemctl("cat", "dsv4@tp4-512k.service").stdout
+    assert c.is_active("dsv4@tp4-512k.service") == "inactive"  # installing starts nothing
+    assert c.systemctl("is-enabled", "dsv4@tp4-512k.service", check=False).stdout.strip() == "disabled"
+    gid = int(c.run(["getent", "group", "gpusup"]).stdout.split(":")[2])
+    assert gid < 1000, "gpusup should be a system group"
+
+    assert "render" in c.run(["gpusupctl", "--help"]).stdout
+    rendered = c.run(["gpusupctl", "render", "tp4-512k"]).stdout
+    assert "sglang.launch_server" in rendered and "--tp-size 4" in rendered
+    completion = c.run(["bash", "-c", "source /usr/share/bash-completion/completions/gpusupctl; "
+                        'COMP_WORDS=(gpusupctl render ""); COMP_CWORD=2; _gpusupctl; echo "${COMPREPLY[*]}"'])
+    assert completion.stdout.split() == ["pd-1p1d", "tp4-512k"]
+
+    conf = CONFFILES[0]
+    c.run(["sh", "-c", f"echo '# edited by test_deb' >> {conf}"])
+    _apt(c, "install", "--reinstall", f"/debs/{deb.name}")
+    assert c.read_file(conf).endswith("# edited by test_deb\n"), "reinstall overwrote an edited conffile"
+
+    c.run(["mkdir", "-p", "/run/supervisord-gpu/instances"])  # what a daemon leaves at run time
+    _apt(c, "purge", PACKAGE)
+    leftovers = [p for p in (*INSTALLED, "/etc/supervisord-gpu", "/run/supervisord-gpu") if _exists(c, p)]
+    assert leftovers == []
+    assert c.run(["getent", "group", "gpusup"], check=False).returncode == 2, "purge should remove group gpusup"
+    assert c.systemctl("list-unit-files", "--no-legend", "dsv4@*", check=False).stdout.strip() == ""
+
+
+def test_remove_leaves_running_instances_alone_and_says_how_to_stop_them(container, deb: Path) -> None:  # type: ignore[no-untyped-def]
+    c = container
+    _apt(c, "install", "--no-install-recommends", f"/debs/{deb.name}")
+    # An instance of the packaged unit, its daemon swapped for a sleeper (no SGLang here).
+    c.write_file("/run/systemd/system/dsv4@stub.service.d/stub.conf",
+                 "[Service]\nType=simple\nExecStart=\nExecStart=/bin/sleep infinity\nWatchdogSec=0\n")
+    c.daemon_reload()
+    c.systemctl("start", "dsv4@stub.service")
+
+    removed = _apt(c, "remove", PACKAGE).stdout
+    assert "running instances were left alone: dsv4@stub.service" in removed
+    assert "systemctl stop 'dsv4@*'" in removed
+    assert c.is_active("dsv4@stub.service") == "active"
+
+    purged = _apt(c, "purge", PACKAGE).stdout
+    assert c.is_active("dsv4@stub.service") == "active"
+    assert _exists(c, "/run/supervisord-gpu/stub"), "purge removed the runtime dir of a running instance"
+    assert "kept /run/supervisord-gpu" in purged
+
+    c.systemctl("stop", "dsv4@*")
+    assert c.is_active("dsv4@stub.service") == "inactive"
