@@ -6,7 +6,7 @@ PY      ?= /usr/bin/python3
 VENV    ?= .venv
 PROFILE ?= pd-1p1d
 APT_PKGS = python3-venv python3-gi dbus libglib2.0-bin
-TEST_APT_PKGS = systemd-container debootstrap dbus
+TEST_APT_PKGS = systemd-container debootstrap dbus prometheus
 STAMP   = $(VENV)/.installed
 
 .PHONY: rehearse test setup test-setup bench deb clean

@@ -95,10 +95,18 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
                                          progress=instance.set_transition)
         instance.set_transition("")
 
+    exporter = None
     try:
         inventory = inventory_for(cfg, cfg.rehearsal.enabled)
+        if cfg.metrics.enabled:
+            from .metrics import MetricsExporter
+
+            exporter = MetricsExporter(cfg.metrics, instance, inventory)
+            exporter.start()
+            instance.listeners.append(exporter.on_event)
+            exporter.watch_loop(loop)
         registry.register(cfg.runtime_dir, profile, instance.owner.name)
-        start = loop.create_task(instance.start(preflight=preflight))
+        start = loop.create_task(instance.start(preflight=exporter.counting_preflight(preflight) if exporter else preflight))
         stopper = loop.create_task(stop.wait())
         await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if not start.done():  # told to stop while starting: abandon the start, stop in order
@@ -139,6 +147,8 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
         await instance.stop("stop requested")
         return EXIT_OK
     finally:
+        if exporter is not None:
+            exporter.stop()
         lock.release()
         registry.unregister(cfg.runtime_dir, profile.name)
         keepalive.cancel()

@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 from socketserver import ThreadingMixIn
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Sequence
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from . import __version__
@@ -34,6 +34,7 @@ from .engine.states import State
 from .errors import SupervisorError
 
 if TYPE_CHECKING:
+    from .checks.gpus import GpuInventory
     from .engine.instance import Instance
     from .engine.process import ManagedProcess
 
@@ -66,18 +67,6 @@ class MetricsUnavailable(SupervisorError):
     """Metrics are enabled but cannot be served (prometheus-client missing, a bad address)."""
 
 
-class GpuSnapshot(Protocol):
-    index: int
-    uuid: str
-    total_mib: int
-    used_mib: int
-    idle: bool
-
-
-class GpuInventory(Protocol):
-    def snapshot(self) -> Sequence[GpuSnapshot]: ...
-
-
 Preflight = Callable[[], Awaitable[None]]
 
 
@@ -88,7 +77,7 @@ class MetricsExporter:
     and `stop()` at the end. `on_event`, `watch_loop` and `stop` belong on the instance's loop.
     """
 
-    def __init__(self, cfg: MetricsConfig, instance: "Instance", inventory: GpuInventory | None = None) -> None:
+    def __init__(self, cfg: MetricsConfig, instance: "Instance", inventory: "GpuInventory | None" = None) -> None:
         try:
             from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
         except ImportError:
@@ -113,7 +102,9 @@ class MetricsExporter:
             registry=r,
         )
         self.last_event = Gauge(
-            g + "last_event_timestamp_seconds", "Unix time of the instance's last state or phase change", ["profile"], registry=r
+            g + "last_event_timestamp_seconds",
+            "Unix time of the instance's last event (a state, phase or transition step)",
+            ["profile"], registry=r,
         )
         self.instance_state = Gauge(
             g + "instance_state", "1 for the instance's current state, 0 for the others", ["profile", "state"], registry=r
@@ -152,7 +143,9 @@ class MetricsExporter:
             ["from", "to", "outcome"], buckets=STARTUP_BUCKETS, registry=r,
         )
         self.precondition_failures = Counter(
-            g + "precondition_failures", "Starts refused by the pre-start checks, by reason",
+            g + "precondition_failures",
+            "Starts refused before anything ran, by reason (gpu_busy, port_busy, gpu_missing, other); "
+            "a refusal naming several problems counts once under each",
             ["profile", "reason"], registry=r,
         )
         if inventory is not None:
@@ -172,6 +165,7 @@ class MetricsExporter:
     # ------------------------------------------------------------------ what the engine tells us
 
     def _initial_values(self) -> None:
+        """Every series a profile will have exists from the first scrape, so increase() sees the first event."""
         inst = self.instance
         for code in REASON_CODES:
             self.precondition_failures.labels(self.profile, code)
@@ -181,7 +175,10 @@ class MetricsExporter:
         self.instance_stop.labels(self.profile)
         for proc in inst.processes.values():
             self._counted_restarts[proc.name] = 0
+            self.restarts.labels(self.profile, proc.name, proc.spec.role)
             self.stop_seconds.labels(self.profile, proc.name)
+            for phase in PHASE_LABELS.values() if proc.spec.kind == "server" else ("total",):
+                self.startup_phase.labels(self.profile, proc.name, phase)
             self._process_changed(proc)
 
     def on_event(self, event: Event) -> None:
@@ -195,9 +192,9 @@ class MetricsExporter:
     def _instance_changed(self) -> None:
         inst = self.instance
         _one_hot(self.instance_state, (self.profile,), INSTANCE_STATES, inst.state.value)
-        if inst.state == State.READY and self._fresh(("start", ""), inst.last_start_s):
+        if inst.state == State.READY and self._fresh(("instance", "start"), inst.last_start_s):
             self.instance_start.labels(self.profile).observe(inst.last_start_s)  # type: ignore[arg-type]
-        if inst.state in (State.STOPPED, State.FAILED) and self._fresh(("stop", ""), inst.last_stop_s):
+        if inst.state in (State.STOPPED, State.FAILED) and self._fresh(("instance", "stop"), inst.last_stop_s):
             self.instance_stop.labels(self.profile).observe(inst.last_stop_s)  # type: ignore[arg-type]
 
     def _process_changed(self, proc: "ManagedProcess") -> None:
@@ -289,9 +286,10 @@ class MetricsExporter:
     def _serve(self) -> None:
         from prometheus_client import make_wsgi_app
 
-        family = socket.getaddrinfo(self.cfg.host or None, self.cfg.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        host, port = self.cfg.host, self.cfg.port
+        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         server_class = type("MetricsServer", (_ThreadingWSGIServer,), {"address_family": family})
-        server = make_server(self.cfg.host, self.cfg.port, make_wsgi_app(self.registry), server_class, _QuietHandler)
+        server = make_server(host, port, make_wsgi_app(self.registry), server_class, _QuietHandler)
         with self._lock:
             if self._closing.is_set():
                 server.server_close()
@@ -373,7 +371,7 @@ def _one_hot(gauge: Any, labels: tuple[str, ...], states: Sequence[str], current
 class _GpuCollector:
     """GPU memory and idleness, read from the inventory at scrape time (on the HTTP thread)."""
 
-    def __init__(self, inventory: GpuInventory) -> None:
+    def __init__(self, inventory: "GpuInventory") -> None:
         self.inventory = inventory
 
     def collect(self) -> Iterator[Any]:
@@ -381,17 +379,17 @@ class _GpuCollector:
 
         g = f"{PREFIX}_gpu_"
         up = GaugeMetricFamily(g + "inventory_up", "1 when the GPU inventory could be read for this scrape, else 0")
-        try:
-            gpus = list(self.inventory.snapshot())
-        except Exception:  # NVML gone away, a simulated store mid-rewrite: say so, do not fail the scrape
-            up.add_metric([], 0)
-            yield up
-            return
-        up.add_metric([], 1)
         used = GaugeMetricFamily(g + "memory_used_bytes", "GPU memory in use, all processes", labels=["gpu", "uuid"])
         total = GaugeMetricFamily(g + "memory_total_bytes", "GPU memory in all", labels=["gpu", "uuid"])
-        idle = GaugeMetricFamily(g + "idle", "1 when the GPU counts as idle (no compute process, memory at baseline)", labels=["gpu"])
-        for gpu in gpus:
+        idle = GaugeMetricFamily(
+            g + "idle", "1 when the GPU counts as idle (no compute process, memory at its baseline)", labels=["gpu"]
+        )
+        try:
+            gpus = list(self.inventory.snapshot())
+        except Exception:  # NVML gone away, a simulated store mid-rewrite: say so, keep the scrape's shape
+            gpus = None
+        up.add_metric([], 0 if gpus is None else 1)
+        for gpu in gpus or ():
             labels = [str(gpu.index), str(gpu.uuid)]
             used.add_metric(labels, float(gpu.used_mib) * MIB)
             total.add_metric(labels, float(gpu.total_mib) * MIB)

@@ -83,8 +83,8 @@ class ManagedProcess:
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.history: collections.deque[Readiness] = collections.deque(maxlen=50)
         self.exit_code: int | None = None
-        self.exited_at: float | None = None
-        self.last_line_at: float | None = None  # monotonic; "making progress" for the start timeout  # monotonic time the main process was reaped
+        self.exited_at: float | None = None  # monotonic time the main process was reaped
+        self.last_line_at: float | None = None  # monotonic; "making progress" for the start timeout
         self.last_stop_s: float | None = None
         self.phase_durations: dict[str, float] = {}
         self._exited = asyncio.Event()
