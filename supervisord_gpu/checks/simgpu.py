@@ -95,13 +95,15 @@ class SimulatedGpus:
             entries = list(os.scandir(holders_dir))
         except FileNotFoundError:
             return found
+        boot = _boot_time()
         for entry in entries:
+            if entry.name.startswith("."):
+                continue  # a holding being written (_atomic_write's temporary), not a holding yet
             try:
-                with open(entry.path) as f:
-                    record = json.load(f)
+                record = json.loads(_read_small(entry.path))
             except (OSError, ValueError):
                 continue
-            if _alive(record["pid"], record["create_time"]):
+            if _alive(record["pid"], record["create_time"], boot):
                 found.append(SimHolding(record["pid"], tuple(record["gpus"]), record["mib"]))
             else:
                 try:
@@ -111,12 +113,59 @@ class SimulatedGpus:
         return found
 
 
-def _alive(pid: int, create_time: float) -> bool:
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _boot_time() -> float | None:
+    """btime from /proc/stat, read once per holders() call (psutil reads it once per process)."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            for line in f:
+                if line.startswith(b"btime"):
+                    return float(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _alive(pid: int, create_time: float, boot: float | None = None) -> bool:
+    """That exact process is alive and not a zombie.
+
+    Reads /proc/PID/stat directly (~12 µs) instead of through psutil (~45 µs): the GPU idle
+    poll calls this for every holding every few milliseconds. The start time is computed the
+    way psutil computes the create_time stored by hold(): starttime / CLK_TCK + btime.
+    """
+    if boot is not None:
+        try:
+            data = _read_small(f"/proc/{pid}/stat")
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        except OSError:
+            pass  # fall back to psutil
+        else:
+            try:
+                fields = data[data.rindex(b")") + 2 :].split()
+                state, start_ticks = fields[0], int(fields[19])
+            except (ValueError, IndexError):
+                pass  # not the Linux layout: fall back to psutil
+            else:
+                if state in (b"Z", b"X", b"x"):
+                    return False
+                return abs(start_ticks / _CLOCK_TICKS + boot - create_time) < 0.01
     try:
         proc = psutil.Process(pid)
         return abs(proc.create_time() - create_time) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
+
+
+def _read_small(path: str) -> bytes:
+    """One read(2) of a small file: half the cost of open()/json.load on this hot path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, 65536)
+    finally:
+        os.close(fd)
 
 
 def _atomic_write(path: Path, text: str) -> None:

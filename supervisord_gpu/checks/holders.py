@@ -1,0 +1,185 @@
+"""Who holds a GPU or a port: a PID turned into a line a person can act on.
+
+A refusal is only useful if it names the holder: its PID, user, command line, cgroup, and
+whether it is one of our instances (attributed from the cgroup path by ownership/names.py,
+the same scheme the drivers use to create them) or something foreign. Never guess: a PID
+that cannot be looked up in this PID namespace is reported as unknown, not matched to
+whatever process happens to carry that number here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+from ..ownership.names import Owner, owner_of_cgroup, unit_of_cgroup
+
+CMDLINE_WIDTH = 100  # characters of command line in a one-line description
+UNKNOWN_REASON = "outside this PID namespace"
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A process holding a GPU or a port. cmdline is in full; describe() shortens it."""
+
+    pid: int
+    user: str | None
+    cmdline: str | None
+    cgroup: str | None
+    unit: str | None
+    owner: Owner | None
+    known: bool
+
+    @classmethod
+    def unknown(cls, pid: int) -> "Holder":
+        return cls(pid, None, None, None, None, None, False)
+
+    @property
+    def ours(self) -> bool:
+        return self.owner is not None
+
+    def verdict(self) -> str:
+        """"(ours: instance pd-1p1d, router)" or "(foreign)"."""
+        return f"(ours: {self.owner.describe()})" if self.owner else "(foreign)"
+
+    def describe(self, width: int = CMDLINE_WIDTH) -> str:
+        """One line: pid, user, command line (shortened), cgroup, ours or foreign."""
+        if not self.known:
+            return f"pid {self.pid}: unknown ({UNKNOWN_REASON})"
+        parts = [f"pid {self.pid}"]
+        if self.user:
+            parts.append(f"(user {self.user})")
+        parts.append(shorten_cmdline(self.cmdline, width) if self.cmdline else "[command line not readable]")
+        if self.cgroup:
+            parts.append(f"[cgroup {self.cgroup}]")
+        parts.append(self.verdict())
+        return " ".join(parts)
+
+    def short(self, width: int = 50) -> str:
+        """For tables: "pid 4711 pd-1p1d/router" or "pid 4711 foreign: python -m sglang…"."""
+        if not self.known:
+            return f"pid {self.pid} unknown"
+        if self.owner:
+            return f"pid {self.pid} {self.owner.instance}/{self.owner.process}"
+        head = f"pid {self.pid} foreign: "
+        return head + shorten_cmdline(self.cmdline or "?", max(8, width - len(head)))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "known": self.known,
+            "user": self.user,
+            "cmdline": self.cmdline,
+            "cgroup": self.cgroup,
+            "unit": self.unit,
+            "owner": None if self.owner is None else {"instance": self.owner.instance, "process": self.owner.process},
+            "description": self.describe(),
+        }
+
+
+def shorten_cmdline(cmdline: str, width: int = CMDLINE_WIDTH) -> str:
+    """The program's base name and as many arguments as fit, cut at a word, ending in "…"."""
+    words = cmdline.split(" ")
+    if words and "/" in words[0]:
+        words[0] = words[0].rsplit("/", 1)[1] or words[0]
+    text = " ".join(words)
+    if len(text) <= width:
+        return text
+    cut = text[: width - 2]
+    if " " in cut[width // 2 :]:
+        cut = cut[: cut.rindex(" ")]
+    return cut + " …"
+
+
+def read_cgroup(pid: int) -> str | None:
+    """The process's cgroup path: the cgroup v2 ("0::") line; on hybrid hosts where that says
+    only "/", the name=systemd line if it is more specific. None if unreadable."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            text = f.read()
+    except OSError:
+        return None
+    unified = systemd = first = None
+    for line in text.splitlines():
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        hid, controllers, path = fields
+        path = path.removesuffix(" (deleted)")
+        first = first or path
+        if hid == "0" and controllers == "":
+            unified = path
+        elif controllers == "name=systemd":
+            systemd = path
+    if unified is not None and (unified != "/" or systemd in (None, "/")):
+        return unified
+    return systemd or unified or first
+
+
+def describe_pid(pid: int) -> Holder:
+    """Look a PID up in this PID namespace; unknown (known=False) when it is not there."""
+    try:
+        proc = psutil.Process(pid)
+    except (psutil.NoSuchProcess, ValueError):
+        return Holder.unknown(pid)
+    cgroup = read_cgroup(pid)
+    try:
+        user: str | None = proc.username()
+    except KeyError:  # a uid with no passwd entry
+        user = str(proc.uids().real)
+    except psutil.AccessDenied:
+        user = None
+    except psutil.NoSuchProcess:  # exited meanwhile
+        return Holder.unknown(pid)
+    cmdline: str | None
+    try:
+        argv = proc.cmdline()
+        cmdline = " ".join(argv) if argv else f"[{proc.name()}]"
+    except psutil.ZombieProcess:
+        cmdline = f"[{_name(proc)}] <defunct>"
+    except psutil.AccessDenied:
+        cmdline = None
+    except psutil.NoSuchProcess:
+        return Holder.unknown(pid)
+    owner = owner_of_cgroup(cgroup) if cgroup else None
+    unit = unit_of_cgroup(cgroup) if cgroup else None
+    return Holder(pid, user, cmdline, cgroup, unit, owner, True)
+
+
+def describe_gpu_pid(pid: int, pids_local: bool) -> Holder:
+    """A PID that a GPU inventory listed.
+
+    NVML reports PIDs of the initial PID namespace. Outside it (a container with its own PID
+    namespace) the same number may name an unrelated process here, so the PID is accepted
+    only if that process has an NVIDIA device open; otherwise it is reported as unknown.
+    """
+    if pids_local:
+        return describe_pid(pid)
+    if not _has_nvidia_device_open(pid):
+        return Holder.unknown(pid)
+    return describe_pid(pid)
+
+
+def _has_nvidia_device_open(pid: int) -> bool:
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"{fd_dir}/{fd}").startswith("/dev/nvidia"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _name(proc: psutil.Process) -> str:
+    try:
+        return proc.name()
+    except psutil.Error:
+        return "?"
