@@ -17,7 +17,7 @@ from ..engine.events import Event
 from ..engine.instance import Instance, InstanceStatus
 from ..engine.states import State
 
-EXTEND_STEP_S = 60.0  # each extension gives this much more time from now
+EXTEND_MARGIN_S = 5.0  # beyond the stall limit, so one late tick cannot fail a healthy start
 STALL_S = 120.0  # no progress for this long: stop extending
 
 
@@ -119,8 +119,12 @@ class Notifier:
                 self.last_progress = max(self.last_progress, max(lines))
             st = instance.status()
             self.status(status_text(st))
-            if st.state == State.STARTING.value and time.monotonic() - self.last_progress < self.stall_s:
-                self.send(f"EXTEND_TIMEOUT_USEC={int(EXTEND_STEP_S * 1e6)}")
+            quiet = time.monotonic() - self.last_progress
+            if st.state == State.STARTING.value and quiet < self.stall_s:
+                # A window, not a grant: it closes stall_s after the last progress (plus a margin
+                # for the next tick), so a start that goes quiet fails within that, not later.
+                window = self.stall_s - quiet + EXTEND_MARGIN_S
+                self.send(f"EXTEND_TIMEOUT_USEC={int(window * 1e6)}")
             if self.watchdog_s and healthy():
                 self.send("WATCHDOG=1")
             await asyncio.sleep(period)

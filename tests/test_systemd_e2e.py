@@ -1,0 +1,151 @@
+"""dsv4@.service under a real systemd 252 (booted in a container by the test rig).
+
+The repo is bound read-only at its own path, so the unit runs this checkout's daemon from
+the project's virtual environment; the servers are stand-ins on simulated GPUs and the
+router is the real sglang-router.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.systemd, pytest.mark.slow]
+
+DAEMON = f"{REPO}/.venv/bin/supervisord-gpu"
+CONFIG = """
+[daemon]
+start_stall_timeout = {stall}
+[rehearsal]
+enabled = true
+server_startup = {startup}
+server_mib_per_gpu = 1000
+"""
+
+
+def unit_text(drop: str = "") -> str:
+    text = (REPO / "units" / "dsv4@.service").read_text()
+    return text.replace("ExecStart=/usr/bin/supervisord-gpu run %i", f"ExecStart={DAEMON} run %i") + drop
+
+
+@pytest.fixture
+def box(fresh_systemd_container):  # type: ignore[no-untyped-def]
+    """A clean systemd with our unit, policy, config and the shipped profiles installed."""
+    ctr = fresh_systemd_container()
+
+    def install(startup: float = 1.0, stall: float = 120.0, unit_extra: str = "") -> None:
+        ctr.write_file("/etc/systemd/system/dsv4@.service", unit_text())
+        if unit_extra:
+            ctr.write_file("/etc/systemd/system/dsv4@.service.d/test.conf", "[Service]\n" + unit_extra)
+        ctr.write_file("/etc/supervisord-gpu/supervisord-gpu.toml", CONFIG.format(startup=startup, stall=stall))
+        for p in (REPO / "etc" / "supervisord-gpu" / "profiles").glob("*.toml"):
+            ctr.write_file(f"/etc/supervisord-gpu/profiles/{p.name}", p.read_text())
+        ctr.write_file("/etc/dbus-1/system.d/org.supervisordgpu.conf",
+                       (REPO / "etc" / "dbus-1" / "system.d" / "org.supervisordgpu.conf").read_text())
+        ctr.run(["groupadd", "-f", "--system", "gpusup"])
+        ctr.systemctl("reload", "dbus")
+        ctr.daemon_reload()
+
+    ctr.install = install  # type: ignore[attr-defined]
+    return ctr
+
+
+def ours(ctr) -> list:  # type: ignore[no-untyped-def]
+    """Every process in a dsv4 unit or scope."""
+    return [p for p in ctr.processes() if "/dsv4" in p.cgroup]
+
+
+def stand_ins(ctr) -> list:  # type: ignore[no-untyped-def]
+    return [p for p in ctr.processes() if any("standin_server" in a or "sglang::" in a or "sglang_router" in a for a in p.cmdline)
+            or p.comm.startswith("sglang::")]
+
+
+def test_start_blocks_until_all_three_are_ready_then_stop_is_ordered_and_complete(box):
+    box.install(startup=1.5)
+    began = time.monotonic()
+    box.systemctl("start", "dsv4@pd-1p1d", timeout=120)
+    assert time.monotonic() - began >= 1.5
+    assert box.is_active("dsv4@pd-1p1d") == "active"
+    status = box.systemctl("status", "dsv4@pd-1p1d", check=False).stdout
+    assert "Status: \"ready: 2 servers behind router on 0.0.0.0:30001, GPUs 0-7\"" in status
+    scopes = box.systemctl("list-units", "--no-legend", "--plain", "dsv4-*").stdout
+    for role in ("prefill", "decode", "router"):
+        assert f"dsv4-pd-1p1d-{role}.scope" in scopes
+    router_lines = box.journal("dsv4@pd-1p1d", "GPUSUP_PROCESS=router", "-o", "json")
+    records = [json.loads(line) for line in router_lines.splitlines() if line.strip()]
+    assert records and all(r["GPUSUP_PROCESS"] == "router" for r in records)
+    assert any(r.get("_SYSTEMD_UNIT") == "dsv4@pd-1p1d.service" for r in records)
+
+    box.systemctl("stop", "dsv4@pd-1p1d", timeout=120)
+    stops = box.journal("dsv4@pd-1p1d", "GPUSUP_EVENT=stopped", "-o", "json")
+    order = [json.loads(l)["GPUSUP_PROCESS"] for l in stops.splitlines() if l.strip()]
+    assert order == ["router", "decode", "prefill"]
+    assert ours(box) == [] and stand_ins(box) == []
+
+
+def test_a_server_that_never_becomes_ready_fails_the_start_and_leaves_nothing(box):
+    box.install(startup=0.5, unit_extra="Restart=no\n")
+    profile = box.read_file("/etc/supervisord-gpu/profiles/tp4-512k.toml").replace(
+        "start_timeout = 900", "start_timeout = 3").replace(
+        "[servers.server.options]", '[servers.server.env]\nSUPERVISORD_GPU_STANDIN_FAULT = "never-ready"\n[servers.server.options]')
+    box.write_file("/etc/supervisord-gpu/profiles/tp4-512k.toml", profile)
+    r = box.systemctl("start", "dsv4@tp4-512k", check=False, timeout=60)
+    assert r.returncode != 0
+    assert box.is_active("dsv4@tp4-512k") == "failed"
+    journal = box.journal("dsv4@tp4-512k")
+    assert "server: not ready within its start_timeout of 3 s" in journal
+    assert ours(box) == [] and stand_ins(box) == []
+
+
+def test_a_start_longer_than_TimeoutStartSec_succeeds_while_it_makes_progress(box):
+    box.install(startup=8.0, unit_extra="TimeoutStartSec=4\n")
+    box.systemctl("start", "dsv4@tp4-512k", timeout=60)
+    assert box.is_active("dsv4@tp4-512k") == "active"
+    box.systemctl("stop", "dsv4@tp4-512k", timeout=60)
+
+
+def test_a_start_that_stops_making_progress_fails_at_TimeoutStartSec(box):
+    box.install(startup=1.0, stall=2.0, unit_extra="TimeoutStartSec=4\nRestart=no\n")
+    profile = box.read_file("/etc/supervisord-gpu/profiles/tp4-512k.toml").replace(
+        "[servers.server.options]", '[servers.server.env]\nSUPERVISORD_GPU_STANDIN_FAULT = "never-ready"\n[servers.server.options]')
+    box.write_file("/etc/supervisord-gpu/profiles/tp4-512k.toml", profile)
+    began = time.monotonic()
+    r = box.systemctl("start", "dsv4@tp4-512k", check=False, timeout=60)
+    took = time.monotonic() - began
+    assert r.returncode != 0 and 4 <= took < 30
+    time.sleep(1)
+    assert ours(box) == [] and stand_ins(box) == []
+
+
+def test_kill_9_of_the_daemon_leaves_no_child_running(box):
+    box.install(startup=0.5, unit_extra="Restart=no\n")
+    box.systemctl("start", "dsv4@pd-1p1d", timeout=120)
+    assert len(stand_ins(box)) >= 3
+    box.systemctl("kill", "-s", "KILL", "--kill-whom=main", "dsv4@pd-1p1d")
+    deadline = time.monotonic() + 20
+    while (stand_ins(box) or ours(box)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert stand_ins(box) == [] and ours(box) == []
+
+
+def test_a_daemon_that_stops_answering_the_watchdog_is_restarted_and_its_children_do_not_survive(box):
+    box.install(startup=0.5, unit_extra="WatchdogSec=2\nRestartSec=1\nTimeoutStopSec=5\n")
+    box.systemctl("start", "dsv4@tp4-512k", timeout=120)
+    old = {p.pid for p in stand_ins(box)}
+    main_pid = box.systemctl("show", "-P", "MainPID", "dsv4@tp4-512k").stdout.strip()
+    box.systemctl("kill", "-s", "STOP", "--kill-whom=main", "dsv4@tp4-512k")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        new_main = box.systemctl("show", "-P", "MainPID", "dsv4@tp4-512k").stdout.strip()
+        if new_main not in ("0", main_pid) and box.is_active("dsv4@tp4-512k") == "active":
+            break
+        time.sleep(0.5)
+    assert box.is_active("dsv4@tp4-512k") == "active" and new_main != main_pid
+    assert "watchdog timeout" in box.journal("dsv4@tp4-512k").lower()
+    assert not old & {p.pid for p in stand_ins(box)}
+    box.systemctl("stop", "dsv4@tp4-512k", timeout=60)
