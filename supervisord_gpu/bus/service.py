@@ -17,6 +17,8 @@ import pwd
 import threading
 from typing import Any, Callable
 
+from pydbus.generic import signal as dbus_signal
+
 from . import names
 from .exports import export, exported_methods, introspection_xml
 
@@ -55,6 +57,8 @@ def uid_may_control(uid: int, group: str) -> bool:
 
 class InstanceObject:
     """Published at names.OBJECT_PATH under names.bus_name(instance)."""
+
+    StateChanged = dbus_signal()  # (instance, process, state, message); process "" for the instance
 
     def __init__(self, instance: str, loop: asyncio.AbstractEventLoop, controls: Controls, control_group: str,
                  caller_uid: Callable[[str], int]) -> None:
@@ -179,10 +183,7 @@ class BusService:
         instance = self.obj.Name
 
         def send() -> bool:
-            self.bus.con.emit_signal(
-                None, names.OBJECT_PATH, names.INTERFACE, names.SIGNAL_STATE_CHANGED,
-                self._GLib.Variant("(ssss)", (instance, process, state, message)),
-            )
+            self.obj.StateChanged(instance, process, state, message)
             return False
 
         self._GLib.idle_add(send)

@@ -294,6 +294,8 @@ class ManagedProcess:
         await group.release()
         took = time.monotonic() - began
         self.last_stop_s = took
+        # The supervisor's own share: from the main process being reaped to "stopped" declared.
+        detect = time.monotonic() - self.exited_at if self.exited_at else 0.0
         self.ready_since = None
         self._set_phase("")
         self._set_state(State.STOPPED)
@@ -305,6 +307,7 @@ class ManagedProcess:
             GPUSUP_PROCESS=self.name,
             GPUSUP_EVENT="stopped",
             GPUSUP_DURATION_S=f"{took:.3f}",
+            GPUSUP_EXIT_TO_STOPPED_S=f"{detect:.6f}",
         )
         return took
 

@@ -1,0 +1,165 @@
+"""The D-Bus API against a real dbus-daemon (a private system-type bus with our shipped policy)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from private_bus import PrivateBus
+from support import free_ports, pd_profile, write_config
+from supervisord_gpu.bus import names
+
+pytestmark = pytest.mark.dbus
+REPO = Path(__file__).resolve().parent.parent
+NOBODY = 65534
+
+
+def connect(address: str):  # type: ignore[no-untyped-def]
+    from pydbus import connect as pydbus_connect
+
+    return pydbus_connect(address)
+
+
+class Daemon:
+    def __init__(self, tmp: Path, cgroups, bus: PrivateBus) -> None:  # type: ignore[no-untyped-def]
+        cdir = write_config(tmp, {"pd": pd_profile(free_ports(5))}, cgroups.root, startup=0.5)
+        self.log = open(tmp / "daemon.log", "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisord_gpu.cli.daemon", "run", "pd", "--config-dir", str(cdir), "--rehearsal", "--stderr"],
+            env=bus.env(), stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        self.bus_address = bus.address
+        self.bus = connect(bus.address)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.obj = self.bus.get(names.bus_name("pd"), names.OBJECT_PATH)
+                if json.loads(self.obj.GetStatus())["state"] == "ready":
+                    break
+            except Exception:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.log.seek(0)
+                raise AssertionError("daemon did not become ready:\n" + self.log.read()[-3000:])
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(30)
+        self.log.close()
+
+
+@pytest.fixture
+def bus():  # type: ignore[no-untyped-def]
+    b = PrivateBus()
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def daemon(tmp_path, cgroups, bus):  # type: ignore[no-untyped-def]
+    d = Daemon(tmp_path, cgroups, bus)
+    yield d
+    d.close()
+
+
+def as_nobody(address: str, method: str, *args: str) -> subprocess.CompletedProcess[str]:
+    code = (
+        "import sys\nfrom pydbus import connect\n"
+        f"o = connect({address!r}).get({names.bus_name('pd')!r}, {names.OBJECT_PATH!r})\n"
+        f"try:\n    print(getattr(o, {method!r})(*{args!r}))\nexcept Exception as e:\n    print('ERROR', e); sys.exit(1)\n"
+    )
+    return subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-c", code],
+                          capture_output=True, text=True, timeout=30, cwd="/")
+
+
+def test_read_methods_and_properties_describe_the_running_instance(daemon):
+    status = json.loads(daemon.obj.GetStatus())
+    assert status["instance"] == "pd" and status["state"] == "ready" and status["driver"] == "cgroupfs"
+    procs = {p["name"]: p for p in status["processes"]}
+    assert set(procs) == {"prefill", "decode", "router"}
+    assert procs["decode"]["pid"] > 0 and procs["decode"]["gpus"] == [1] and procs["decode"]["state"] == "ready"
+    assert procs["decode"]["group"].endswith("/supervisord-gpu/pd/decode")
+    assert json.loads(daemon.obj.GetProcess("router"))["role"] == "router"
+    assert [h["state"] for h in json.loads(daemon.obj.GetHistory("prefill"))][-1] == "ready"
+    assert daemon.obj.Ping() == "pd"
+    assert daemon.obj.Name == "pd" and daemon.obj.State == "ready"
+    assert daemon.obj.StatusText.startswith("ready: 2 servers behind router")
+
+
+def test_unknown_process_names_and_wrong_argument_types_are_clean_errors(daemon):
+    with pytest.raises(Exception, match="org.supervisordgpu.Error.UnknownProcess"):
+        daemon.obj.GetProcess("nope")
+    raw = subprocess.run(["dbus-send", "--system", "--print-reply", f"--dest={names.bus_name('pd')}", names.OBJECT_PATH,
+                          f"{names.INTERFACE}.GetProcess", "int32:7"], capture_output=True, text=True,
+                         env={**os.environ, "DBUS_SYSTEM_BUS_ADDRESS": daemon.bus_address})
+    assert raw.returncode != 0 and "InvalidArgs" in raw.stderr
+    assert daemon.obj.Ping() == "pd"  # still serving
+
+
+def test_every_state_change_is_signalled_while_a_process_restarts(daemon):
+    from gi.repository import GLib
+
+    seen: list[tuple[str, str]] = []
+    loop = GLib.MainLoop()
+    sub = daemon.bus.subscribe(iface=names.INTERFACE, signal=names.SIGNAL_STATE_CHANGED,
+                               signal_fired=lambda *a: (seen.append((a[4][1], a[4][2])),
+                                                        loop.quit() if a[4][1] == "" and a[4][2] == "ready" else None))
+    GLib.timeout_add_seconds(30, loop.quit)
+    assert daemon.obj.RestartProcess("decode") == "restarting pd/decode"
+    loop.run()
+    sub.unsubscribe()
+    decode_states = [s for p, s in seen if p == "decode"]
+    assert decode_states[:2] == ["stopping", "stopped"] and decode_states[-1] == "ready"
+    assert ("", "degraded") in seen and seen[-1] == ("", "ready")
+
+
+def test_a_non_root_caller_can_read_but_every_control_call_is_refused_by_the_bus(daemon, bus):
+    assert '"state": "ready"' in as_nobody(bus.address, "GetStatus").stdout
+    for method, args in (("Stop", ()), ("Restart", ()), ("RestartProcess", ("decode",))):
+        r = as_nobody(bus.address, method, *args)
+        assert r.returncode == 1 and "AccessDenied" in r.stdout, (method, r.stdout, r.stderr)
+    assert json.loads(daemon.obj.GetStatus())["state"] == "ready"
+
+
+def test_the_daemon_refuses_control_calls_itself_when_the_bus_policy_lets_them_through(tmp_path, cgroups):
+    permissive = PrivateBus(permissive=True)
+    d = Daemon(tmp_path, cgroups, permissive)
+    try:
+        r = as_nobody(permissive.address, "Stop")
+        assert r.returncode == 1 and "org.supervisordgpu.Error.AccessDenied" in r.stdout and "caller uid 65534" in r.stdout
+        assert d.proc.poll() is None and json.loads(d.obj.GetStatus())["state"] == "ready"
+    finally:
+        d.close()
+        permissive.close()
+
+
+def test_stop_from_root_stops_in_order_and_the_daemon_exits_cleanly(daemon):
+    assert daemon.obj.Stop() == "stopping pd"
+    assert daemon.proc.wait(30) == 0
+    daemon.log.seek(0)
+    log = daemon.log.read()
+    assert "all processes stopped" in log and "(order: router -> decode -> prefill)" in log
+
+
+def test_the_policy_file_opens_exactly_the_read_methods():
+    from supervisord_gpu.bus.exports import exported_methods
+    from supervisord_gpu.bus.service import InstanceObject
+
+    policy = (REPO / "etc" / "dbus-1" / "system.d" / "org.supervisordgpu.conf").read_text()
+    reads = {n for n, (_i, _o, control) in exported_methods(InstanceObject).items() if not control}
+    for name in reads:
+        assert f'send_member="{name}"' in policy
+    for name, (_i, _o, control) in exported_methods(InstanceObject).items():
+        if control:
+            assert f'send_member="{name}"' not in policy
+    assert set(names.READ_METHODS) == reads
