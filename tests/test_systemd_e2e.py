@@ -17,52 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 
-DAEMON = f"{REPO}/.venv/bin/supervisord-gpu"
-CONFIG = """
-[daemon]
-start_stall_timeout = {stall}
-[rehearsal]
-enabled = true
-server_startup = {startup}
-server_mib_per_gpu = 1000
-"""
-
-
-def unit_text(drop: str = "") -> str:
-    text = (REPO / "units" / "dsv4@.service").read_text()
-    return text.replace("ExecStart=/usr/bin/supervisord-gpu run %i", f"ExecStart={DAEMON} run %i") + drop
-
-
-@pytest.fixture
-def box(fresh_systemd_container):  # type: ignore[no-untyped-def]
-    """A clean systemd with our unit, policy, config and the shipped profiles installed."""
-    ctr = fresh_systemd_container()
-
-    def install(startup: float = 1.0, stall: float = 120.0, unit_extra: str = "") -> None:
-        ctr.write_file("/etc/systemd/system/dsv4@.service", unit_text())
-        if unit_extra:
-            ctr.write_file("/etc/systemd/system/dsv4@.service.d/test.conf", "[Service]\n" + unit_extra)
-        ctr.write_file("/etc/supervisord-gpu/supervisord-gpu.toml", CONFIG.format(startup=startup, stall=stall))
-        for p in (REPO / "etc" / "supervisord-gpu" / "profiles").glob("*.toml"):
-            ctr.write_file(f"/etc/supervisord-gpu/profiles/{p.name}", p.read_text())
-        ctr.write_file("/etc/dbus-1/system.d/org.supervisordgpu.conf",
-                       (REPO / "etc" / "dbus-1" / "system.d" / "org.supervisordgpu.conf").read_text())
-        ctr.run(["groupadd", "-f", "--system", "gpusup"])
-        ctr.systemctl("reload", "dbus")
-        ctr.daemon_reload()
-
-    ctr.install = install  # type: ignore[attr-defined]
-    return ctr
-
-
-def ours(ctr) -> list:  # type: ignore[no-untyped-def]
-    """Every process in a dsv4 unit or scope."""
-    return [p for p in ctr.processes() if "/dsv4" in p.cgroup]
-
-
-def stand_ins(ctr) -> list:  # type: ignore[no-untyped-def]
-    return [p for p in ctr.processes() if any("standin_server" in a or "sglang::" in a or "sglang_router" in a for a in p.cmdline)
-            or p.comm.startswith("sglang::")]
+from box import box, ours, stand_ins  # noqa: F401  (box is a fixture)
 
 
 def test_start_blocks_until_all_three_are_ready_then_stop_is_ordered_and_complete(box):

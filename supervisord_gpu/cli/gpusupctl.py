@@ -66,6 +66,14 @@ def parser() -> argparse.ArgumentParser:
     lg.add_argument("-f", "--follow", action="store_true")
     lg.add_argument("-n", "--lines", type=int, metavar="N")
 
+    sw = sub.add_parser("switch", help="ordered transition to TO: stop what holds its GPUs/ports, verify idle, start")
+    sw.add_argument("to", metavar="TO")
+    sw.add_argument("--from", dest="from_", metavar="FROM", help="the instance expected to be replaced (checked)")
+    sw.add_argument("--dry-run", action="store_true", help="print the ordered plan (steps, deadlines, checks) and do nothing")
+    sw.add_argument("--wait", action="store_true", help="follow progress live until TO is ready or failed")
+    sw.add_argument("--timeout", type=float, default=1800.0, metavar="SECONDS")
+    _config_arg(sw)
+
     g = sub.add_parser("gpus", help="GPU memory, idle or not, and who holds each GPU")
     g.add_argument("--rehearsal", action="store_true", help="show the simulated GPUs")
     g.add_argument("--json", action="store_true")
@@ -77,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     handler = {
         "render": cmd_render, "rehearse": cmd_rehearse, "check": cmd_check, "gpus": cmd_gpus, "status": cmd_status,
-        "start": cmd_unit, "stop": cmd_unit, "restart": cmd_unit, "logs": cmd_logs,
+        "start": cmd_unit, "stop": cmd_unit, "restart": cmd_unit, "logs": cmd_logs, "switch": cmd_switch,
     }[args.command]
     return guarded(PROG, lambda: handler(args))
 
@@ -285,6 +293,47 @@ def cmd_unit(args: argparse.Namespace) -> int:
     want = "inactive" if args.command == "stop" else "active"
     print(f"dsv4@{args.name}.service: {final}")
     return 0 if final == want else 1
+
+
+def cmd_switch(args: argparse.Namespace) -> int:
+    """The same transition `systemctl start dsv4@TO` performs; the daemon of TO does the work."""
+    from ..bus.client import SystemdClient, connect, follow
+    from ..config.loader import load_daemon_config, load_profile
+    from ..errors import BusError, UsageError
+    from ..preflight import validate_in_full
+    from ..transition import find_conflicts, make_plan
+
+    cfg = load_daemon_config(args.config_dir)
+    profile = load_profile(cfg, args.to)
+    how = validate_in_full(profile, cfg)  # a profile that would fail stops here, before anything is touched
+    try:
+        bus = connect()
+        systemd = True
+    except BusError:
+        bus, systemd = None, False
+    conflicts = find_conflicts(profile, cfg, use_systemd=systemd)
+    if args.from_ and args.from_ not in {c.instance for c in conflicts}:
+        raise UsageError(f"dsv4@{args.from_} is not running or holds none of the GPUs and ports {args.to} needs")
+    if not profile.takeover and conflicts:
+        from ..errors import PreconditionError
+
+        raise PreconditionError("takeover = false in the profile and "
+                                + "; ".join(f"{c.describe()} is running" for c in conflicts))
+    plan = make_plan(profile, cfg, conflicts, how)
+    if args.dry_run:
+        print(plan.render())
+        return 0
+    if bus is None:
+        raise BusError("switch needs systemd over D-Bus; without systemd, run `supervisord-gpu run "
+                       f"{args.to}`: it takes over instances registered in {cfg.runtime_dir}")
+    print(plan.render())
+    if not args.wait:
+        SystemdClient(bus).start(args.to)
+        print(f"start of dsv4@{args.to}.service queued; follow it with: gpusupctl status {args.to}")
+        return 0
+    final = follow(bus, args.to, "start", args.timeout, print)
+    print(f"dsv4@{args.to}.service: {final}")
+    return 0 if final == "active" else 1
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

@@ -9,7 +9,10 @@ service's cgroup as anonymous directories.
 
 No `After=` on the scope: while the service is still starting, an After= ordering would
 hold the scope's start job until READY=1 and leave the child in the service's cgroup
-(shared/reference/systemd-test-rig.md). The child waits at the gate until it is in its scope.
+(shared/reference/systemd-test-rig.md). `Before=` instead: ordering is reversed on stop, so
+`systemctl stop` lets our daemon stop router, decode and prefill in order before systemd
+stops the (by then empty) scopes; without it systemd SIGTERMs every scope at once. The
+child waits at the gate until it is in its scope.
 """
 
 from __future__ import annotations
@@ -169,6 +172,10 @@ class SystemdDriver(OwnershipDriver):
             ("PIDs", GLib.Variant("au", [pid])),
             ("Description", GLib.Variant("s", f"supervisord-gpu {self.instance}: {group.process}")),
             ("BindsTo", GLib.Variant("as", [self.service])),
+            # Stop order: systemd propagates a stop of the service to bound units *at once*, which
+            # would SIGTERM every server while the router still drains. Before= reverses on stop:
+            # the service (our ordered stop) finishes first, then the already-empty scopes.
+            ("Before", GLib.Variant("as", [self.service])),
             ("KillMode", GLib.Variant("s", "control-group")),
             ("SendSIGKILL", GLib.Variant("b", True)),
             ("CollectMode", GLib.Variant("s", "inactive-or-failed")),

@@ -32,6 +32,7 @@ Command line: exactly SGLang's. Stand-in-only settings come from the environment
         exit-on-term-slow:SECONDS       graceful SIGTERM path that takes SECONDS to exit
     SUPERVISORD_GPU_STANDIN_READY_FILE  append time.time() when /health first answers 200
     SUPERVISORD_GPU_STANDIN_READY_AT_FILE  append time.time() when it becomes able to answer 200
+    SUPERVISORD_GPU_STANDIN_TOKEN_S     seconds per generated token in /generate (default 0)
 
 GPUs used: CUDA_VISIBLE_DEVICES (physical indices or simulated UUIDs, as the supervisor
 sets it) indexed from --base-gpu-id, else range(base_gpu_id, base_gpu_id + tp*dp*pp).
@@ -76,6 +77,7 @@ ENV_SIMGPU_DIR = "SUPERVISORD_GPU_SIMGPU_DIR"  # same name as checks.simgpu.ENV_
 ENV_FAULT = "SUPERVISORD_GPU_STANDIN_FAULT"
 ENV_READY_FILE = "SUPERVISORD_GPU_STANDIN_READY_FILE"
 ENV_READY_AT_FILE = "SUPERVISORD_GPU_STANDIN_READY_AT_FILE"
+ENV_TOKEN_S = "SUPERVISORD_GPU_STANDIN_TOKEN_S"
 
 DEFAULT_STARTUP_S = 3.0
 DEFAULT_MIB = 100000
@@ -513,6 +515,7 @@ class StandinServer:
         self.hung = False
         self.term: SignalLatch | None = None
         self.first_health_200 = False
+        self.token_s = float(os.environ.get(ENV_TOKEN_S) or 0.0)
         self.schedulers: list[Scheduler] = []
         self.gpus: list[int] = []
         self.http: StandinHTTPServer | None = None
@@ -827,7 +830,8 @@ class StandinServer:
         """Answer a /generate body like SGLang; honours a simulated duration.
 
         The duration comes from sampling_params.sleep or a top-level stub_sleep_s, so
-        tests can keep a request in flight while they stop the server.
+        tests can keep a request in flight while they stop the server; the router drops
+        both, so behind it max_new_tokens x SUPERVISORD_GPU_STANDIN_TOKEN_S is used.
         """
         assert self.http is not None
         with self.http.inflight:
@@ -841,6 +845,8 @@ class StandinServer:
             if isinstance(sp, list):
                 sp = sp[0] if sp else {}
             delay = float(sp.get("sleep") or body.get("stub_sleep_s") or 0.0)
+            if not delay and self.token_s:  # what survives a router: time grows with the tokens asked for
+                delay = self.token_s * float(sp.get("max_new_tokens") or 16)
             started = time.monotonic()
             if delay > 0:
                 time.sleep(delay)

@@ -1,0 +1,62 @@
+"""A clean real systemd (the rig) with our unit, D-Bus policy, config and shipped profiles installed.
+
+The unit runs this checkout's daemon from the project's virtual environment (the repo is
+bound read-only at its own path); `rehearsal.enabled` makes the servers stand-ins on
+simulated GPUs shared by every instance in the container, and the router the real one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DAEMON = f"{REPO}/.venv/bin/supervisord-gpu"
+CONFIG = """
+[daemon]
+start_stall_timeout = {stall}
+[rehearsal]
+enabled = true
+server_startup = {startup}
+server_mib_per_gpu = 1000
+"""
+
+
+def unit_text(drop: str = "") -> str:
+    text = (REPO / "units" / "dsv4@.service").read_text()
+    return text.replace("ExecStart=/usr/bin/supervisord-gpu run %i", f"ExecStart={DAEMON} run %i") + drop
+
+
+@pytest.fixture
+def box(fresh_systemd_container):  # type: ignore[no-untyped-def]
+    """A clean systemd with our unit, policy, config and the shipped profiles installed."""
+    ctr = fresh_systemd_container()
+
+    def install(startup: float = 1.0, stall: float = 120.0, unit_extra: str = "") -> None:
+        ctr.write_file("/etc/systemd/system/dsv4@.service", unit_text())
+        if unit_extra:
+            ctr.write_file("/etc/systemd/system/dsv4@.service.d/test.conf", "[Service]\n" + unit_extra)
+        ctr.write_file("/etc/supervisord-gpu/supervisord-gpu.toml", CONFIG.format(startup=startup, stall=stall))
+        for p in (REPO / "etc" / "supervisord-gpu" / "profiles").glob("*.toml"):
+            ctr.write_file(f"/etc/supervisord-gpu/profiles/{p.name}", p.read_text())
+        ctr.write_file("/etc/dbus-1/system.d/org.supervisordgpu.conf",
+                       (REPO / "etc" / "dbus-1" / "system.d" / "org.supervisordgpu.conf").read_text())
+        ctr.run(["groupadd", "-f", "--system", "gpusup"])
+        ctr.systemctl("reload", "dbus")
+        ctr.daemon_reload()
+
+    ctr.install = install  # type: ignore[attr-defined]
+    return ctr
+
+
+def ours(ctr) -> list:  # type: ignore[no-untyped-def]
+    """Every process in a dsv4 unit or scope."""
+    return [p for p in ctr.processes() if "/dsv4" in p.cgroup]
+
+
+def stand_ins(ctr) -> list:  # type: ignore[no-untyped-def]
+    return [p for p in ctr.processes() if any("standin_server" in a or "sglang::" in a or "sglang_router" in a for a in p.cmdline)
+            or p.comm.startswith("sglang::")]
+
+
