@@ -1,0 +1,78 @@
+"""gpusupctl against a real systemd: status of ready, failed and stopped instances; start --wait; who may do what."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from box import REPO, box  # noqa: F401  (box is a fixture)
+
+pytestmark = [pytest.mark.systemd, pytest.mark.slow]
+CTL = f"{REPO}/.venv/bin/gpusupctl"
+
+
+def profile(gpu: int, port: int, fault: str = "") -> str:
+    env = f'[servers.server.env]\nSUPERVISORD_GPU_STANDIN_FAULT = "{fault}"\n' if fault else ""
+    return f"""
+[servers.server]
+gpus = [{gpu}]
+port = {port}
+model_path = "/m"
+start_timeout = 3
+{env}"""
+
+
+@pytest.fixture
+def three(box):  # type: ignore[no-untyped-def]
+    box.install(startup=1.0, unit_extra="Restart=no\n")
+    box.write_file("/etc/supervisord-gpu/profiles/alpha.toml", profile(0, 31001))
+    box.write_file("/etc/supervisord-gpu/profiles/beta.toml", profile(1, 31002, "never-ready"))
+    box.write_file("/etc/supervisord-gpu/profiles/gamma.toml", profile(2, 31003))
+    box.systemctl("start", "dsv4@alpha", timeout=60)
+    box.systemctl("start", "dsv4@beta", check=False, timeout=60)
+    box.systemctl("start", "dsv4@gamma", timeout=60)
+    box.systemctl("stop", "dsv4@gamma", timeout=60)
+    return box
+
+
+def test_status_shows_a_ready_a_failed_and_a_stopped_instance(three):
+    out = three.run([CTL, "status"]).stdout
+    lines = {l.split()[0]: l for l in out.splitlines() if l.startswith("dsv4@")}
+    assert "ready" in lines["dsv4@alpha.service"] and "up " in lines["dsv4@alpha.service"]
+    assert "failed" in lines["dsv4@beta.service"]
+    assert "inactive" in lines["dsv4@gamma.service"]
+    assert "ready: 1 server on 127.0.0.1:31001, GPUs 0" in out
+    assert "not ready within its start_timeout" in out or "result: " in out
+    assert max(len(l) for l in out.splitlines()) <= 80
+    assert "\033[" not in out  # no colours when not on a terminal
+    data = json.loads(three.run([CTL, "status", "--json"]).stdout)
+    by = {i["instance"]: i for i in data["instances"]}
+    assert by["alpha"]["active_state"] == "active" and by["alpha"]["daemon"]["state"] == "ready"
+    assert by["alpha"]["daemon"]["processes"][0]["pid"] > 0
+    assert by["beta"]["active_state"] == "failed" and by["beta"]["daemon"] is None
+    assert by["gamma"]["active_state"] == "inactive"
+    held = {g["index"]: g for g in data["gpus"]}
+    assert not held[0]["idle"] and held[0]["holders"][0]["owner"] == "alpha/server"
+    assert held[2]["idle"]
+
+
+def test_start_wait_follows_progress_until_ready(three):
+    r = three.run([CTL, "start", "gamma", "--wait"], timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "starting:" in r.stdout and r.stdout.strip().endswith("dsv4@gamma.service: active")
+
+
+def test_an_unprivileged_user_can_read_status_but_not_stop(three):
+    r = three.run([CTL, "status"], user="alice")
+    assert r.returncode == 0 and "dsv4@alpha.service" in r.stdout
+    r = three.run([CTL, "stop", "alpha"], user="alice", check=False)
+    assert r.returncode == 1 and r.stderr.startswith("gpusupctl: StopUnit of dsv4@alpha.service refused")
+    assert three.is_active("dsv4@alpha") == "active"
+
+
+def test_logs_shows_one_process(three):
+    out = three.run([CTL, "logs", "alpha", "server", "--lines", "200"]).stdout
+    assert "Load weight begin" in out
+    for line in out.splitlines():  # the server's own lines, and the daemon's records about the server
+        assert " server[" in line or ("supervisord-gpu[" in line and ": server: " in line), line
