@@ -162,7 +162,11 @@ def start_bus(cfg: DaemonConfig, profile: Profile, instance: Instance, stop: asy
     """Publish the instance on the system bus; without a bus the daemon still runs, and says so."""
     if opts.bus == "off":
         return None
-    from .bus.service import BusService, Controls
+    try:
+        from .bus.service import BusService, Controls
+    except ImportError as e:  # pydbus/PyGObject not installed (a bare GPU box): run without the bus
+        sink.event(f"D-Bus API not available ({e}); running without it", 4)
+        return None
 
     loop = asyncio.get_running_loop()
 

@@ -90,7 +90,9 @@ def render(profile: Profile, cfg: DaemonConfig, rehearsal_env: Mapping[str, str]
         env = list(rehearsal_env.items()) if rehearsal_env is not None else []
         env += spec.env
         if spec.kind == "server":
-            env.insert(0, ("CUDA_VISIBLE_DEVICES", ",".join(str(g) for g in spec.gpus)))
+            # GPU indices in a profile are NVML's (nvidia-smi's), which follow the PCI bus; CUDA's
+            # default order is "fastest first", so without PCI_BUS_ID index 0 may be another card.
+            env[:0] = [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", ",".join(str(g) for g in spec.gpus))]
             program = (sys.executable, *STANDIN_SERVER) if rehearsal_env is not None else cfg.sglang_command
             argv = (*program, *server_args(spec))
         else:

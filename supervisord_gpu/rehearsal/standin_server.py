@@ -33,6 +33,8 @@ Command line: exactly SGLang's. Stand-in-only settings come from the environment
     SUPERVISORD_GPU_STANDIN_READY_FILE  append time.time() when /health first answers 200
     SUPERVISORD_GPU_STANDIN_READY_AT_FILE  append time.time() when it becomes able to answer 200
     SUPERVISORD_GPU_STANDIN_TOKEN_S     seconds per generated token in /generate (default 0)
+    SUPERVISORD_GPU_STANDIN_TORCH_MIB   on a real GPU: each scheduler also allocates this many
+                                        MiB with torch on its GPU (device machine only)
 
 GPUs used: CUDA_VISIBLE_DEVICES (physical indices or simulated UUIDs, as the supervisor
 sets it) indexed from --base-gpu-id, else range(base_gpu_id, base_gpu_id + tp*dp*pp).
@@ -78,6 +80,7 @@ ENV_FAULT = "SUPERVISORD_GPU_STANDIN_FAULT"
 ENV_READY_FILE = "SUPERVISORD_GPU_STANDIN_READY_FILE"
 ENV_READY_AT_FILE = "SUPERVISORD_GPU_STANDIN_READY_AT_FILE"
 ENV_TOKEN_S = "SUPERVISORD_GPU_STANDIN_TOKEN_S"
+ENV_TORCH_MIB = "SUPERVISORD_GPU_STANDIN_TORCH_MIB"
 
 DEFAULT_STARTUP_S = 3.0
 DEFAULT_MIB = 100000
@@ -412,7 +415,24 @@ class Scheduler:
     gpus: list[int] = field(default_factory=list)
 
 
-def _scheduler_process(rfd: int, name: str) -> NoReturn:
+def _hold_real_gpu_memory(rank: int) -> object | None:
+    """On a real GPU (the device machine only): allocate SUPERVISORD_GPU_STANDIN_TORCH_MIB with torch.
+
+    Rank r uses the r-th GPU of CUDA_VISIBLE_DEVICES, as SGLang's TP rank r does. The
+    memory is freed by the driver when this process dies, and only then.
+    """
+    mib = int(os.environ.get(ENV_TORCH_MIB) or 0)
+    if mib <= 0:
+        return None
+    import torch  # the parent never imports it: CUDA must not be initialised before a fork
+
+    torch.cuda.set_device(rank)
+    buf = torch.empty(mib << 20, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    return buf
+
+
+def _scheduler_process(rfd: int, name: str, rank: int = 0) -> NoReturn:
     """Body of a detached stand-in scheduler: sleep until told to exit.
 
     It stands in for `sglang::scheduler_TP<n>` and is deliberately cheap: a forked copy
@@ -433,6 +453,7 @@ def _scheduler_process(rfd: int, name: str) -> NoReturn:
             os.dup2(devnull, fd)  # never keep the log pipe open: a reader would never see EOF
         os.closerange(3, rfd)
         os.closerange(rfd + 1, 65536)
+        held = _hold_real_gpu_memory(rank)  # noqa: F841  (kept alive until this process dies)
         while True:
             try:
                 data = os.read(rfd, 1)
@@ -468,7 +489,7 @@ def spawn_scheduler(rank: int, gpus: list[int], name: str) -> Scheduler:
             grandchild = os.fork()
             if grandchild == 0:
                 os.close(report_w)
-                _scheduler_process(rfd, name)
+                _scheduler_process(rfd, name, rank)
             os.write(report_w, str(grandchild).encode())
         finally:
             os._exit(0)

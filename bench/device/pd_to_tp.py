@@ -1,0 +1,249 @@
+"""On the GPU machine: PD -> TP transition with torch stand-ins holding real GPU memory (issue 12),
+the cgroupfs driver's stop-to-NVML-idle time against a hand kill (issue 3), on real NVML.
+
+No systemd there: the cgroupfs driver, and the daemon of the new profile takes over the old
+one through the instance registry. With N GPUs: prefill on the first half, decode on the
+second half, then one TP-N server on all of them. Writes JSON (and an NVML trace) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import pynvml  # noqa: E402
+
+MIB = int(os.environ.get("TORCH_MIB", "100000"))
+
+
+def nvml_snapshot() -> list[dict]:
+    out = []
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        h = pynvml.nvmlDeviceGetHandleByIndex(i)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+        out.append({"index": i, "uuid": pynvml.nvmlDeviceGetUUID(h), "used_mib": mem.used >> 20,
+                    "pids": [p.pid for p in procs]})
+    return out
+
+
+class Sampler(threading.Thread):
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.trace: list[tuple[float, list[int]]] = []
+        self.marks: list[tuple[float, str]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            snap = nvml_snapshot()
+            self.trace.append((time.time(), [g["used_mib"] for g in snap]))
+            time.sleep(0.02)
+
+    def mark(self, what: str) -> None:
+        self.marks.append((time.time(), what))
+        print(f"[{time.strftime('%H:%M:%S')}] {what}", flush=True)
+
+
+def write_config(cdir: Path, n: int) -> None:
+    half = n // 2
+    (cdir / "profiles").mkdir(parents=True, exist_ok=True)
+    standin = [sys.executable, "-m", "supervisord_gpu.rehearsal.standin_server"]
+    router = [sys.executable, "-m", "supervisord_gpu.rehearsal.standin_router"]
+    (cdir / "supervisord-gpu.toml").write_text(f"""
+[daemon]
+ownership = "cgroupfs"
+runtime_dir = "/tmp/gpusup-run"
+strict_modes = false
+[sglang]
+server_command = {json.dumps(standin)}
+router_command = {json.dumps(router)}
+[gpus]
+backend = "nvml"
+wait_idle_timeout = 60
+""")
+    env = f'SUPERVISORD_GPU_STANDIN_TORCH_MIB = "{MIB}"\nSUPERVISORD_GPU_STANDIN_STARTUP_S = "2"\n'
+    prefill = list(range(half)) if half else [0]
+    decode = list(range(half, n)) if half else [0]
+    (cdir / "profiles" / "pd.toml").write_text(f"""
+stop_order = ["router", "decode", "prefill"]
+[servers.prefill]
+role = "prefill"
+gpus = {prefill}
+port = 30100
+model_path = "/tmp"
+[servers.prefill.options]
+tp-size = {len(prefill)}
+[servers.prefill.env]
+{env}
+[servers.decode]
+role = "decode"
+gpus = {decode}
+port = 30200
+model_path = "/tmp"
+[servers.decode.options]
+tp-size = {len(decode)}
+[servers.decode.env]
+{env}
+[router]
+mode = "pd"
+host = "0.0.0.0"
+port = 30001
+[router.options]
+prometheus-host = "127.0.0.1"
+prometheus-port = 29001
+""")
+    (cdir / "profiles" / "tp.toml").write_text(f"""
+[servers.server]
+gpus = {list(range(n))}
+host = "0.0.0.0"
+port = 30001
+model_path = "/tmp"
+[servers.server.options]
+tp-size = {n}
+[servers.server.env]
+{env}
+""")
+
+
+def daemon(cdir: Path, name: str, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "supervisord_gpu.cli.daemon", "run", name, "--config-dir", str(cdir), "--stderr"],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def wait_log(log: Path, text: str, timeout: float, proc: subprocess.Popen) -> float:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if text in log.read_text():
+            return time.time()
+        if proc.poll() is not None:
+            raise SystemExit(f"daemon exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+    raise SystemExit(f"timeout waiting for {text!r}:\n{log.read_text()[-3000:]}")
+
+
+def first_idle_after(trace, t0: float, gpus: list[int], baseline: list[int], tol: int = 256) -> float | None:
+    for t, used in trace:
+        if t >= t0 and all(used[g] - baseline[g] <= tol for g in gpus):
+            return t - t0
+    return None
+
+
+def cgroup_pids(name: str, proc: str) -> list[int]:
+    p = Path(f"/sys/fs/cgroup/supervisord-gpu/{name}/{proc}/cgroup.procs")
+    try:
+        return [int(x) for x in p.read_text().split()]
+    except OSError:
+        return []
+
+
+def hand_kill_comparison(n_gpus: int, baseline: list[int]) -> dict:
+    """What operators did: kill the server's PID, sleep 3, poll nvidia-smi. The detached scheduler keeps the memory."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+           "SUPERVISORD_GPU_STANDIN_TORCH_MIB": str(MIB), "SUPERVISORD_GPU_STANDIN_STARTUP_S": "2"}
+    p = subprocess.Popen([sys.executable, "-m", "supervisord_gpu.rehearsal.standin_server", "--model-path", "/tmp", "--port", "30900"],
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and nvml_snapshot()[0]["used_mib"] - baseline[0] < MIB // 2:
+        time.sleep(0.1)
+    holders = nvml_snapshot()[0]["pids"]
+    t0 = time.time()
+    os.kill(p.pid, signal.SIGKILL)  # kill $PID
+    p.wait()
+    time.sleep(3)  # sleep 3
+    polls = 0
+    while nvml_snapshot()[0]["used_mib"] - baseline[0] > 256 and polls < 7:  # poll nvidia-smi for a while
+        time.sleep(1)
+        polls += 1
+    still = nvml_snapshot()[0]
+    result = {"holders_before": holders, "after_s": time.time() - t0, "idle": still["used_mib"] - baseline[0] <= 256,
+              "still_used_mib": still["used_mib"] - baseline[0], "still_held_by": still["pids"]}
+    for pid in still["pids"]:  # clean up what the hand procedure left behind (by the pid NVML names)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/out")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    pynvml.nvmlInit()
+    n = pynvml.nvmlDeviceGetCount()
+    idle = nvml_snapshot()
+    baseline = [g["used_mib"] for g in idle]
+    result: dict = {"device": pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0)),
+                    "driver": pynvml.nvmlSystemGetDriverVersion(), "gpus": n, "torch_mib_per_gpu": MIB,
+                    "idle": idle, "steps": {}}
+    cdir = Path("/tmp/gpusup-cfg")
+    write_config(cdir, n)
+    s = Sampler()
+    s.start()
+    logs = out
+    pd = daemon(cdir, "pd", logs / "pd.log")
+    s.mark("start pd")
+    t_ready = wait_log(logs / "pd.log", "instance ready", 300, pd)
+    s.mark("pd ready")
+    during_pd = nvml_snapshot()
+    result["during_pd"] = during_pd
+    # which physical GPU holds which process: NVML pids vs our cgroups
+    mapping = {}
+    for proc in ("prefill", "decode"):
+        pids = set(cgroup_pids("pd", proc))
+        mapping[proc] = [g["index"] for g in during_pd if pids & set(g["pids"])]
+    result["gpu_mapping_pd"] = mapping
+    time.sleep(1)
+    tp = daemon(cdir, "tp", logs / "tp.log")
+    s.mark("start tp (takeover of pd)")
+    t_tp0 = time.time()
+    wait_log(logs / "tp.log", "instance ready", 300, tp)
+    s.mark("tp ready")
+    result["during_tp"] = nvml_snapshot()
+    pids = set(cgroup_pids("tp", "server"))
+    result["gpu_mapping_tp"] = [g["index"] for g in result["during_tp"] if pids & set(g["pids"])]
+    pd.wait(60)
+    tp.send_signal(signal.SIGTERM)
+    s.mark("stop tp")
+    t_stop = time.time()
+    tp.wait(120)
+    s.mark("tp stopped")
+    time.sleep(0.5)
+    s.stop.set()
+    s.join()
+    result["after"] = nvml_snapshot()
+    result["steps"] = {
+        "pd_start_to_ready_s": t_ready - s.marks[0][0],
+        "tp_takeover_start_to_ready_s": time.time() and (next(t for t, m in s.marks if m == "tp ready") - t_tp0),
+        "tp_stop_request_to_nvml_idle_s": first_idle_after(s.trace, t_stop, list(range(n)), baseline),
+        "pd_stop_request_to_nvml_idle_s": first_idle_after(s.trace, t_tp0, list(range(n)), baseline),
+    }
+    tp_log = (logs / "tp.log").read_text()
+    result["tp_log_transition_lines"] = [l for l in tp_log.splitlines() if "transition" in l or "verified idle" in l or "stopped in" in l]
+    result["pd_log_stop_lines"] = [l for l in (logs / "pd.log").read_text().splitlines() if "stopped in" in l]
+    result["hand_kill"] = hand_kill_comparison(n, baseline)
+    result["marks"] = s.marks
+    (out / "pd-to-tp.json").write_text(json.dumps(result, indent=2, default=str))
+    with open(out / "nvml-trace.csv", "w") as f:
+        f.write("time," + ",".join(f"gpu{i}_used_mib" for i in range(n)) + "\n")
+        for t, used in s.trace:
+            f.write(f"{t:.3f}," + ",".join(map(str, used)) + "\n")
+    print(json.dumps(result["steps"], indent=2))
+    print(json.dumps({"mapping_pd": mapping, "mapping_tp": result["gpu_mapping_tp"], "hand_kill": result["hand_kill"]}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
