@@ -413,6 +413,7 @@ class Scheduler:
     pid: int
     wfd: int
     gpus: list[int] = field(default_factory=list)
+    ack_fd: int = -1  # readable once its real GPU memory (torch mode) is allocated
 
 
 def _hold_real_gpu_memory(rank: int) -> object | None:
@@ -432,7 +433,7 @@ def _hold_real_gpu_memory(rank: int) -> object | None:
     return buf
 
 
-def _scheduler_process(rfd: int, name: str, rank: int = 0) -> NoReturn:
+def _scheduler_process(rfd: int, name: str, rank: int = 0, ack_w: int = -1) -> NoReturn:
     """Body of a detached stand-in scheduler: sleep until told to exit.
 
     It stands in for `sglang::scheduler_TP<n>` and is deliberately cheap: a forked copy
@@ -451,9 +452,11 @@ def _scheduler_process(rfd: int, name: str, rank: int = 0) -> NoReturn:
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)  # never keep the log pipe open: a reader would never see EOF
+        held = _hold_real_gpu_memory(rank)  # noqa: F841  (kept alive until this process dies)
+        if ack_w >= 0:
+            os.write(ack_w, b"1")  # "weights loaded": the main process may go on
         os.closerange(3, rfd)
         os.closerange(rfd + 1, 65536)
-        held = _hold_real_gpu_memory(rank)  # noqa: F841  (kept alive until this process dies)
         while True:
             try:
                 data = os.read(rfd, 1)
@@ -478,6 +481,7 @@ def spawn_scheduler(rank: int, gpus: list[int], name: str) -> Scheduler:
     """
     rfd, wfd = os.pipe()
     report_r, report_w = os.pipe()
+    ack_r, ack_w = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
     middle = os.fork()
@@ -489,12 +493,14 @@ def spawn_scheduler(rank: int, gpus: list[int], name: str) -> Scheduler:
             grandchild = os.fork()
             if grandchild == 0:
                 os.close(report_w)
-                _scheduler_process(rfd, name, rank)
+                os.close(ack_r)
+                _scheduler_process(rfd, name, rank, ack_w)
             os.write(report_w, str(grandchild).encode())
         finally:
             os._exit(0)
     os.close(rfd)
     os.close(report_w)
+    os.close(ack_w)
     chunks = []
     while True:
         chunk = os.read(report_r, 32)
@@ -504,7 +510,8 @@ def spawn_scheduler(rank: int, gpus: list[int], name: str) -> Scheduler:
     os.close(report_r)
     os.waitpid(middle, 0)
     os.set_inheritable(wfd, False)
-    return Scheduler(rank=rank, pid=int(b"".join(chunks)), wfd=wfd, gpus=gpus)
+    os.set_inheritable(ack_r, False)
+    return Scheduler(rank=rank, pid=int(b"".join(chunks)), wfd=wfd, gpus=gpus, ack_fd=ack_r)
 
 
 def _pid_gone(pid: int) -> bool:
@@ -614,6 +621,16 @@ class StandinServer:
         used = sum(h.mib for h in self.sim.holders() if gpu in h.gpus and h.pid not in ours)
         return self.total_mib - self.reserved_mib - used
 
+    def _wait_real_allocations(self) -> None:
+        """Torch mode: like SGLang, weights are in GPU memory before "Load weight end"."""
+        wait = bool(int(os.environ.get(ENV_TORCH_MIB) or 0))
+        for sched in self.schedulers:
+            if sched.ack_fd >= 0:
+                if wait:
+                    os.read(sched.ack_fd, 1)  # b"" if it died: then it holds nothing either
+                os.close(sched.ack_fd)
+                sched.ack_fd = -1
+
     def _hold(self, fraction: float) -> None:
         """Make each scheduler hold `fraction` of the configured MiB on its GPUs."""
         if self.sim is None:
@@ -665,6 +682,7 @@ class StandinServer:
         if until(0.45):
             return self._graceful_stop()
         self._hold(0.45)
+        self._wait_real_allocations()
         avail1 = self._avail_gb(0.45)
         log(f"Load weight end. elapsed={total * 0.40:.2f} s, type=LlamaForCausalLM, dtype=torch.bfloat16, "
             f"avail mem={avail1:.2f} GB, mem usage={avail0 - avail1:.2f} GB.")
