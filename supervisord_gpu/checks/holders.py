@@ -82,7 +82,7 @@ class Holder:
 
 def shorten_cmdline(cmdline: str, width: int = CMDLINE_WIDTH) -> str:
     """The program's base name and as many arguments as fit, cut at a word, ending in "…"."""
-    words = cmdline.split(" ")
+    words = cmdline.split()  # also folds the newlines of a `python -c` program onto one line
     if words and "/" in words[0]:
         words[0] = words[0].rsplit("/", 1)[1] or words[0]
     text = " ".join(words)
@@ -95,13 +95,18 @@ def shorten_cmdline(cmdline: str, width: int = CMDLINE_WIDTH) -> str:
 
 
 def read_cgroup(pid: int) -> str | None:
-    """The process's cgroup path: the cgroup v2 ("0::") line; on hybrid hosts where that says
-    only "/", the name=systemd line if it is more specific. None if unreadable."""
+    """The cgroup path of a process (see parse_cgroup); None if it cannot be read."""
     try:
         with open(f"/proc/{pid}/cgroup") as f:
-            text = f.read()
+            return parse_cgroup(f.read())
     except OSError:
         return None
+
+
+def parse_cgroup(text: str) -> str | None:
+    """The path from /proc/PID/cgroup text: the cgroup v2 ("0::") line, which is where our
+    drivers put processes; on a hybrid host where that line says only "/", the name=systemd
+    line if it says more; on a pure v1 host, name=systemd, else the first line."""
     unified = systemd = first = None
     for line in text.splitlines():
         fields = line.split(":", 2)
