@@ -39,7 +39,7 @@ def inventory_for(cfg: DaemonConfig, rehearsal: bool) -> GpuInventory:
 def raise_for_missing(profile: Profile, report: PreconditionReport) -> None:
     if not report.missing_gpus:
         return
-    total = len(report.gpus)
+    total = report.gpu_count if report.gpu_count is not None else len(report.gpus)
     for spec in profile.processes:
         for i, g in enumerate(spec.gpus):
             if g in report.missing_gpus:

@@ -240,7 +240,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_gpus(args: argparse.Namespace) -> int:
-    from ..checks.holders import describe_pid
+    from ..checks.holders import describe_gpu_pid
     from ..checks.preconditions import render_gpu_table
     from ..config.loader import load_daemon_config
     from ..daemon import effective_config
@@ -249,7 +249,7 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     cfg = effective_config(load_daemon_config(args.config_dir), args.rehearsal)
     inventory = inventory_for(cfg, cfg.rehearsal.enabled)
     states = inventory.snapshot()
-    holders = {s.index: [describe_pid(p.pid) for p in s.processes] for s in states}
+    holders = {s.index: [describe_gpu_pid(p.pid, inventory.pids_local) for p in s.processes] for s in states}
     if args.json:
         from dataclasses import asdict
 

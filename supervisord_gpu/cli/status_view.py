@@ -65,14 +65,14 @@ def collect(config_dir: str | None, only: str | None = None) -> dict[str, Any]:
 
     gpus = None
     try:
-        from ..checks.holders import describe_pid
+        from ..checks.holders import describe_gpu_pid
         from ..preflight import inventory_for
 
         if cfg is not None:
             inv = inventory_for(cfg, cfg.rehearsal.enabled)
             gpus = []
             for s in inv.snapshot():
-                holders = [describe_pid(p.pid) for p in s.processes]
+                holders = [describe_gpu_pid(p.pid, inv.pids_local) for p in s.processes]
                 gpus.append({
                     "index": s.index, "name": s.name, "used_mib": s.used_mib, "total_mib": s.total_mib, "idle": s.idle,
                     "holders": [
