@@ -118,6 +118,7 @@ class Instance:
             self._set_state(State.STARTING, "checking")
             try:
                 cleaned = await self.owner.reclaim_leftovers(self.name, self.leftovers)
+                self.owner.guard(self.name)
                 for item in cleaned:
                     self.sink.event(f"cleaned leftover cgroup of a previous run: {item}", 4, GPUSUP_EVENT="leftover")
                 if preflight is not None:

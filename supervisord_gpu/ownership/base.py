@@ -92,6 +92,9 @@ class OwnershipDriver(abc.ABC):
     async def _adopt(self, group: ProcessGroup, pid: int) -> ProcessGroup:
         """Move the gated child into its group; return the group (drivers may replace it)."""
 
+    def guard(self, instance: str) -> None:
+        """Make sure the instance's processes die if this daemon dies (a no-op where systemd does it)."""
+
     def _popen_extra(self) -> dict[str, object]:
         """Extra Popen arguments a driver needs (the session fallback asks for a new session)."""
         return {}

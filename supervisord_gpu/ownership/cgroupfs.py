@@ -12,6 +12,8 @@ import asyncio
 import errno
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -155,10 +157,21 @@ def _rmdir(path: Path) -> None:
             raise
 
 
+_GUARD = (
+    "import os,select,sys\n"
+    "fd=os.pidfd_open(int(sys.argv[1]))\n"
+    "select.select([fd],[],[])\n"
+    "try:\n"
+    " f=open(sys.argv[2],'w'); f.write('1'); f.close()\n"
+    "except OSError: pass\n"
+)
+
+
 class CgroupfsDriver(OwnershipDriver):
     """Sub-cgroups `<root>/<instance>/<process>` that we create, own and remove."""
 
     name = "cgroupfs"
+    _guard: subprocess.Popen[bytes] | None = None
 
     def __init__(self, root: Path, mount: Path | None = None) -> None:
         self.mount = mount or cgroup2_mount()
@@ -192,6 +205,21 @@ class CgroupfsDriver(OwnershipDriver):
             await group.release()
         remove_tree(inst_dir)
         return cleaned
+
+    def guard(self, instance: str) -> None:
+        """A guardian outside the instance's cgroup: when this daemon dies, however it dies
+        (SIGKILL included), it writes `cgroup.kill` on the instance's cgroup, which kills
+        every process below it. Without systemd nothing else would notice; with a normal
+        stop the cgroup is empty by then and the write does nothing."""
+        if self._guard is not None and self._guard.poll() is None:
+            return
+        inst_dir = self._instance_dir(instance)
+        inst_dir.mkdir(parents=True, exist_ok=True)
+        self._guard = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _GUARD, str(os.getpid()), str(inst_dir / "cgroup.kill")],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C to the daemon's terminal must not take the guard first
+        )
 
     async def _create_group(self, instance: str, process: str) -> ProcessGroup:
         path = self._instance_dir(instance) / process
