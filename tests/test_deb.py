@@ -177,3 +177,24 @@ def test_remove_leaves_running_instances_alone_and_says_how_to_stop_them(contain
 
     c.systemctl("stop", "dsv4@*")
     assert c.is_active("dsv4@stub.service") == "inactive"
+
+
+def test_installed_package_runs_an_instance_that_root_and_users_can_see_but_only_root_stops(container, deb: Path) -> None:  # type: ignore[no-untyped-def]
+    c = container
+    _apt(c, "install", "--no-install-recommends", f"/debs/{deb.name}")
+    conf = "/etc/supervisord-gpu/supervisord-gpu.toml"  # no GPU here: rehearse with stand-ins
+    head, _, tail = c.read_file(conf).partition("[rehearsal]\n")
+    c.write_file(conf, head + "[rehearsal]\n" + tail.replace("enabled = false", "enabled = true", 1)
+                 .replace("server_startup = 3.0", "server_startup = 1.0"))
+    c.systemctl("start", "dsv4@tp4-512k", timeout=120)
+    assert c.is_active("dsv4@tp4-512k") == "active"
+    for user in (None, "alice"):
+        out = c.run(["gpusupctl", "status"], user=user).stdout
+        assert "dsv4@tp4-512k.service" in out and "ready: 1 server on 0.0.0.0:30001, GPUs 0-3" in out, out
+    refused = c.run(["gpusupctl", "stop", "tp4-512k"], user="alice", check=False)
+    assert refused.returncode == 1 and "refused" in refused.stderr
+    assert c.is_active("dsv4@tp4-512k") == "active"
+    journal = c.journal("dsv4@*")
+    assert "Load weight begin" in journal and "The server is fired up and ready to roll!" in journal
+    c.run(["gpusupctl", "stop", "tp4-512k", "--wait"], timeout=120)
+    assert c.is_active("dsv4@tp4-512k") == "inactive"
