@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .config.loader import load_daemon_config, load_profile
+from .config.loader import effective_config, load_daemon_config, load_profile  # noqa: F401
 from .config.model import DaemonConfig, Profile
 from .config.render import render
 from .engine.events import Event
@@ -38,12 +38,6 @@ class RunOptions:
     quiet_children: bool = False
     #: serve the D-Bus API ("auto": when a system bus is reachable)
     bus: str = "auto"
-
-
-def effective_config(cfg: DaemonConfig, rehearsal: bool) -> DaemonConfig:
-    if rehearsal and not cfg.rehearsal.enabled:
-        return dataclasses.replace(cfg, rehearsal=dataclasses.replace(cfg.rehearsal, enabled=True))
-    return cfg
 
 
 def build_instance(cfg: DaemonConfig, profile: Profile, opts: RunOptions):  # type: ignore[no-untyped-def]

@@ -8,7 +8,6 @@ the profile allows) by transition.py, then the GPUs and ports are verified clear
 
 from __future__ import annotations
 
-import asyncio
 import os
 from typing import Callable
 
@@ -95,6 +94,8 @@ def blocking_problems(report: PreconditionReport, conflicts: list) -> list[str]:
 
 async def check_profile(profile: Profile, inventory: GpuInventory) -> PreconditionReport:
     """Run the checks off the loop (NVML and socket tables may block) and return the report."""
+    import asyncio
+
     report = await asyncio.to_thread(check, requirement_for(profile), inventory)
     raise_for_missing(profile, report)
     return report
@@ -103,6 +104,8 @@ async def check_profile(profile: Profile, inventory: GpuInventory) -> Preconditi
 async def prepare_start(profile: Profile, cfg: DaemonConfig, inventory: GpuInventory, say: Callable[[str, int], None],
                         progress: Callable[[str], None] = lambda _m: None) -> list:  # type: ignore[type-arg]
     """Validate, take over what is in the way, verify clear. Returns the instances stopped (for rollback)."""
+    import asyncio
+
     from . import transition
 
     how = await asyncio.to_thread(validate_in_full, profile, cfg)

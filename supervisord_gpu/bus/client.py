@@ -27,6 +27,16 @@ class UnitInfo:
     result: str = ""
 
 
+def call(bus, dest: str, path: str, iface: str, method: str, signature: str | None = None, args: tuple = (),  # type: ignore[no-untyped-def,type-arg]
+         timeout_ms: int = 5000):
+    """One method call without a proxy: pydbus proxies introspect first, which doubles every call."""
+    from gi.repository import GLib
+
+    params = GLib.Variant(f"({signature})", args) if signature else None
+    reply = bus.con.call_sync(dest, path, iface, method, params, None, 0, timeout_ms, None)
+    return reply.unpack()
+
+
 def connect():  # type: ignore[no-untyped-def]
     """The system bus, or BusError saying why not (exit code 4)."""
     try:
@@ -40,25 +50,40 @@ def connect():  # type: ignore[no-untyped-def]
 class SystemdClient:
     def __init__(self, bus) -> None:  # type: ignore[no-untyped-def]
         self.bus = bus
-        try:
-            self.manager = bus.get(names.SYSTEMD_BUS, names.SYSTEMD_PATH)
-        except Exception as e:
-            raise BusError(f"systemd not reachable over D-Bus: {str(e).splitlines()[0]}") from e
+        self._manager = None
+
+    @property
+    def manager(self):  # type: ignore[no-untyped-def]
+        """A proxy for the calls that need one (it costs an introspection: the read path avoids it)."""
+        if self._manager is None:
+            try:
+                self._manager = self.bus.get(names.SYSTEMD_BUS, names.SYSTEMD_PATH)
+            except Exception as e:
+                raise BusError(f"systemd not reachable over D-Bus: {str(e).splitlines()[0]}") from e
+        return self._manager
 
     def units(self) -> list[UnitInfo]:
         """Every loaded dsv4@ instance, running or not."""
         out = []
-        for unit in self.manager.ListUnitsByPatterns([], [f"{UNIT_PREFIX}@*.service"]):
+        try:
+            units = call(self.bus, names.SYSTEMD_BUS, names.SYSTEMD_PATH, "org.freedesktop.systemd1.Manager",
+                         "ListUnitsByPatterns", "asas", ([], [f"{UNIT_PREFIX}@*.service"]))[0]
+        except Exception as e:
+            raise BusError(f"systemd not reachable over D-Bus: {str(e).splitlines()[0]}") from e
+        for unit in units:
             name, _desc, load, active, sub, _follow, path = unit[:7]
             if name == SERVICE_TEMPLATE:
                 continue
             instance = name[len(UNIT_PREFIX) + 1 : -len(".service")]
             info = UnitInfo(instance, name, load, active, sub)
             try:
-                props = self.bus.get(names.SYSTEMD_BUS, path)
-                info.since_us = int(props.ActiveEnterTimestamp if active == "active" else props.StateChangeTimestamp)
-                info.status_text = str(props.StatusText)
-                info.result = str(props.Result)
+                unit_props = call(self.bus, names.SYSTEMD_BUS, path, "org.freedesktop.DBus.Properties", "GetAll", "s",
+                                  ("org.freedesktop.systemd1.Unit",))[0]
+                service_props = call(self.bus, names.SYSTEMD_BUS, path, "org.freedesktop.DBus.Properties", "GetAll", "s",
+                                     ("org.freedesktop.systemd1.Service",))[0]
+                info.since_us = int(unit_props["ActiveEnterTimestamp"] if active == "active" else unit_props["StateChangeTimestamp"])
+                info.status_text = str(service_props.get("StatusText", ""))
+                info.result = str(service_props.get("Result", ""))
             except Exception:
                 pass
             out.append(info)
@@ -92,13 +117,25 @@ class SystemdClient:
 class InstanceClient:
     def __init__(self, bus, instance: str) -> None:  # type: ignore[no-untyped-def]
         self.instance = instance
-        try:
-            self.proxy = bus.get(names.bus_name(instance), names.OBJECT_PATH)
-        except Exception as e:
-            raise BusError(f"daemon of {instance} not answering on {names.bus_name(instance)}: {str(e).splitlines()[0]}") from e
+        self.bus = bus
+        self._proxy = None
+
+    @property
+    def proxy(self):  # type: ignore[no-untyped-def]
+        if self._proxy is None:
+            try:
+                self._proxy = self.bus.get(names.bus_name(self.instance), names.OBJECT_PATH)
+            except Exception as e:
+                raise BusError(f"daemon of {self.instance} not answering on {names.bus_name(self.instance)}: "
+                               f"{str(e).splitlines()[0]}") from e
+        return self._proxy
 
     def status(self) -> dict[str, Any]:
-        return json.loads(self.proxy.GetStatus())
+        try:
+            return json.loads(call(self.bus, names.bus_name(self.instance), names.OBJECT_PATH, names.INTERFACE, "GetStatus")[0])
+        except Exception as e:
+            raise BusError(f"daemon of {self.instance} not answering on {names.bus_name(self.instance)}: "
+                           f"{str(e).splitlines()[0]}") from e
 
     def call(self, method: str, *args: str) -> str:
         try:

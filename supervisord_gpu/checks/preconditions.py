@@ -14,7 +14,6 @@ Also here: the renderings the CLI prints (`gpusupctl gpus`, `gpusupctl check --j
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -128,6 +127,8 @@ async def wait_until_clear(
     A required GPU that does not exist raises at once: waiting cannot make it appear.
     on_progress, if given, gets a report with holders named every progress_every_s.
     """
+    import asyncio  # here, not at the top: `gpusupctl gpus` and `check` never wait
+
     loop = asyncio.get_running_loop()
     began = loop.time()
     deadline = began + deadline_s

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_render(args: argparse.Namespace) -> int:
     from ..config.loader import load_daemon_config, load_profile
     from ..config.render import render
-    from ..daemon import effective_config
+    from ..config.loader import effective_config
 
     cfg = effective_config(load_daemon_config(args.config_dir), args.rehearsal)
     profile = load_profile(cfg, args.name)
@@ -141,7 +141,8 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     import time
 
     from ..config.loader import load_daemon_config, load_profile
-    from ..daemon import RunOptions, effective_config, serve
+    from ..config.loader import effective_config
+    from ..daemon import RunOptions, serve
     from ..ownership.cgroupfs import cgroup2_mount
     from ..systemd.notify import status_text
 
@@ -220,7 +221,7 @@ def _verify_clear(cfg, profile) -> int:  # type: ignore[no-untyped-def]
 def cmd_check(args: argparse.Namespace) -> int:
     from ..checks.preconditions import check
     from ..config.loader import load_daemon_config, load_profile
-    from ..daemon import effective_config
+    from ..config.loader import effective_config
     from ..errors import EXIT_PRECONDITIONS
     from ..preflight import inventory_for, raise_for_missing, requirement_for
 
@@ -243,7 +244,7 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     from ..checks.holders import describe_gpu_pid
     from ..checks.preconditions import render_gpu_table
     from ..config.loader import load_daemon_config
-    from ..daemon import effective_config
+    from ..config.loader import effective_config
     from ..preflight import inventory_for
 
     cfg = effective_config(load_daemon_config(args.config_dir), args.rehearsal)

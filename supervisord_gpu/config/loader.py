@@ -208,6 +208,15 @@ def _nonempty_str(path: Path):  # type: ignore[no-untyped-def]
     return item
 
 
+def effective_config(cfg: DaemonConfig, rehearsal: bool) -> DaemonConfig:
+    """The config with rehearsal switched on when a command asks for it (`--rehearsal`, `rehearse`)."""
+    import dataclasses
+
+    if rehearsal and not cfg.rehearsal.enabled:
+        return dataclasses.replace(cfg, rehearsal=dataclasses.replace(cfg.rehearsal, enabled=True))
+    return cfg
+
+
 # ----------------------------------------------------------------------------- profiles
 
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import OwnershipError
-from .base import OwnershipDriver
+
+if TYPE_CHECKING:  # asyncio and the drivers load only when a daemon picks one: the CLI stays fast
+    from .base import OwnershipDriver
 
 
 def under_systemd_service() -> bool:
@@ -20,7 +23,7 @@ def under_systemd_service() -> bool:
         return False
 
 
-def choose_driver(mode: str, cgroup_root: str | None, instance: str, warn=print) -> OwnershipDriver:  # type: ignore[no-untyped-def]
+def choose_driver(mode: str, cgroup_root: str | None, instance: str, warn=print) -> "OwnershipDriver":  # type: ignore[no-untyped-def]
     """auto: systemd under systemd, else cgroupfs, else the weak session fallback (loudly)."""
     if mode == "systemd" or (mode == "auto" and under_systemd_service()):
         from .systemd import SystemdDriver
