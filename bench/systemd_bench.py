@@ -38,37 +38,31 @@ def journal_json(ctr: SystemdContainer, unit: str, *match: str) -> list[dict]:
     return [json.loads(l) for l in out.splitlines() if l.strip()]
 
 
-def since_cursor(ctr: SystemdContainer) -> str:
-    return ctr.run(["date", "+%Y-%m-%d %H:%M:%S.%N"]).stdout.strip()[:23]
-
-
 def transition_overhead(ctr: SystemdContainer) -> tuple[list[float], list[float], list[float]]:
     ours, manual, detect = [], [], []
     for _ in range(RUNS):
         ctr.systemctl("start", "dsv4@pd-1p1d", timeout=120)
-        mark = since_cursor(ctr)
         t0 = time.monotonic()
         ctr.systemctl("start", "dsv4@tp4-512k", timeout=180)
         total = time.monotonic() - t0
-        stopped = journal_json(ctr, "dsv4@pd-1p1d", "GPUSUP_EVENT=instance-stopped", "--since", mark)
-        ready = journal_json(ctr, "dsv4@tp4-512k", "GPUSUP_EVENT=ready", "--since", mark)
+        stopped = journal_json(ctr, "dsv4@pd-1p1d", "GPUSUP_EVENT=instance-stopped")
+        ready = journal_json(ctr, "dsv4@tp4-512k", "GPUSUP_EVENT=ready")
         drain = float(stopped[-1]["GPUSUP_DURATION_S"])
         startup = float(ready[-1]["GPUSUP_DURATION_S"])
         ours.append(total - drain - startup)
-        for rec in journal_json(ctr, "dsv4@pd-1p1d", "GPUSUP_EVENT=stopped", "--since", mark):
-            detect.append(float(rec["GPUSUP_EXIT_TO_STOPPED_S"]))
         ctr.systemctl("stop", "dsv4@tp4-512k", timeout=120)
         # the hand procedure, scripted: stop, sleep 3, poll until clear, start
         ctr.systemctl("start", "dsv4@pd-1p1d", timeout=120)
-        mark = since_cursor(ctr)
         t0 = time.monotonic()
         ctr.run(["sh", "-c", "systemctl stop dsv4@pd-1p1d; sleep 3; "
                  f"until {CTL} check tp4-512k >/dev/null 2>&1; do sleep 1; done; systemctl start dsv4@tp4-512k"], timeout=240)
         total = time.monotonic() - t0
-        stopped = journal_json(ctr, "dsv4@pd-1p1d", "GPUSUP_EVENT=instance-stopped", "--since", mark)
-        ready = journal_json(ctr, "dsv4@tp4-512k", "GPUSUP_EVENT=ready", "--since", mark)
+        stopped = journal_json(ctr, "dsv4@pd-1p1d", "GPUSUP_EVENT=instance-stopped")
+        ready = journal_json(ctr, "dsv4@tp4-512k", "GPUSUP_EVENT=ready")
         manual.append(total - float(stopped[-1]["GPUSUP_DURATION_S"]) - float(ready[-1]["GPUSUP_DURATION_S"]))
         ctr.systemctl("stop", "dsv4@tp4-512k", timeout=120)
+    for unit in ("dsv4@pd-1p1d", "dsv4@tp4-512k"):
+        detect += [float(r["GPUSUP_EXIT_TO_STOPPED_S"]) for r in journal_json(ctr, unit, "GPUSUP_EVENT=stopped")]
     return ours, manual, detect
 
 
