@@ -30,7 +30,7 @@ rehearse: $(STAMP)
 test: test-setup
 	$(VENV)/bin/python -m pytest -q -rs
 
-bench: $(STAMP)
+bench: test-setup
 	$(VENV)/bin/python bench/run.py
 
 clean:
