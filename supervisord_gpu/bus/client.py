@@ -77,17 +77,19 @@ class SystemdClient:
             instance = name[len(UNIT_PREFIX) + 1 : -len(".service")]
             info = UnitInfo(instance, name, load, active, sub)
             try:
-                unit_props = call(self.bus, names.SYSTEMD_BUS, path, "org.freedesktop.DBus.Properties", "GetAll", "s",
-                                  ("org.freedesktop.systemd1.Unit",))[0]
-                service_props = call(self.bus, names.SYSTEMD_BUS, path, "org.freedesktop.DBus.Properties", "GetAll", "s",
-                                     ("org.freedesktop.systemd1.Service",))[0]
-                info.since_us = int(unit_props["ActiveEnterTimestamp"] if active == "active" else unit_props["StateChangeTimestamp"])
-                info.status_text = str(service_props.get("StatusText", ""))
-                info.result = str(service_props.get("Result", ""))
+                stamp = "ActiveEnterTimestamp" if active == "active" else "StateChangeTimestamp"
+                info.since_us = int(self._prop(path, "Unit", stamp))
+                info.status_text = str(self._prop(path, "Service", "StatusText"))
+                info.result = str(self._prop(path, "Service", "Result"))
             except Exception:
                 pass
             out.append(info)
         return out
+
+    def _prop(self, path: str, iface: str, prop: str):  # type: ignore[no-untyped-def]
+        """One property (Get, not GetAll: a unit's GetAll unpacks hundreds of them, ~5 ms a unit)."""
+        return call(self.bus, names.SYSTEMD_BUS, path, "org.freedesktop.DBus.Properties", "Get", "ss",
+                    (f"org.freedesktop.systemd1.{iface}", prop))[0]
 
     def unit(self, instance: str) -> UnitInfo | None:
         for info in self.units():

@@ -100,7 +100,7 @@ def _ago(seconds: float) -> str:
 
 
 def _ranges(gpus: list[int]) -> str:
-    from ..systemd.notify import gpu_ranges
+    from ..config.model import gpu_ranges
 
     return gpu_ranges(gpus) if gpus else "-"
 

@@ -180,3 +180,14 @@ class DaemonConfig:
     @property
     def profiles_dir(self) -> Path:
         return self.config_dir / "profiles"
+
+
+def gpu_ranges(gpus: list[int]) -> str:
+    """[0,1,2,3,6] -> "0-3,6"."""
+    out: list[str] = []
+    for g in sorted(gpus):
+        if out and out[-1].split("-")[-1] == str(g - 1):
+            out[-1] = out[-1].split("-")[0] + f"-{g}"
+        else:
+            out.append(str(g))
+    return ",".join(out)

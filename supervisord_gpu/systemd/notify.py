@@ -15,21 +15,11 @@ from typing import Callable
 
 from ..engine.events import Event
 from ..engine.instance import Instance, InstanceStatus
+from ..config.model import gpu_ranges
 from ..engine.states import State
 
 EXTEND_MARGIN_S = 5.0  # beyond the stall limit, so one late tick cannot fail a healthy start
 STALL_S = 120.0  # no progress for this long: stop extending
-
-
-def gpu_ranges(gpus: list[int]) -> str:
-    """[0,1,2,3,6] -> "0-3,6"."""
-    out: list[str] = []
-    for g in sorted(gpus):
-        if out and out[-1].split("-")[-1] == str(g - 1):
-            out[-1] = out[-1].split("-")[0] + f"-{g}"
-        else:
-            out.append(str(g))
-    return ",".join(out)
 
 
 def status_text(st: InstanceStatus) -> str:
