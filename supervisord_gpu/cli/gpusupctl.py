@@ -136,9 +136,11 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
+    import asyncio
     import dataclasses
     import tempfile
     import time
+    from pathlib import Path
 
     from ..config.loader import load_daemon_config, load_profile
     from ..config.loader import effective_config
@@ -156,7 +158,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     if cgroup_root is None and mount is not None:
         cgroup_root = str(mount / "supervisord-gpu-rehearsal" / "supervisord-gpu")
     ownership = cfg.ownership if cfg.ownership != "systemd" else "auto"
-    cfg = dataclasses.replace(cfg, runtime_dir=__import__("pathlib").Path(runtime), rehearsal=rehearsal,
+    cfg = dataclasses.replace(cfg, runtime_dir=Path(runtime), rehearsal=rehearsal,
                               cgroup_root=cgroup_root, ownership=ownership, strict_modes=False)
     profile = load_profile(cfg, args.name)
     t0 = time.monotonic()
@@ -182,7 +184,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
 
     opts = RunOptions(rehearsal=True, force_stderr=True, on_ready=on_ready, stop_after_ready=not args.hold,
                       listeners=[show], quiet_children=not args.verbose)
-    code = __import__("asyncio").run(serve(cfg, profile, opts))
+    code = asyncio.run(serve(cfg, profile, opts))
     if code == 0:
         code = _verify_clear(cfg, profile)
     import shutil

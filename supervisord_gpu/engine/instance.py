@@ -208,15 +208,13 @@ class Instance:
             if policy_driven:
                 now = time.monotonic()
                 proc.restart_times = [t for t in proc.restart_times if now - t < policy.window_s]
-                if policy.mode == "never" or (policy.mode == "on-failure" and proc.exit_code == 0) \
-                        or len(proc.restart_times) >= policy.max_restarts:
-                    why = (
-                        f"{proc.name} {proc.last_exit}; restart limit reached "
-                        f"({len(proc.restart_times)}/{policy.max_restarts} in {policy.window_s:g} s)"
-                        if policy.mode != "never" and not (policy.mode == "on-failure" and proc.exit_code == 0)
-                        else f"{proc.name} {proc.last_exit}; restart policy {policy.mode!r}"
-                    )
-                    await self._give_up(proc, why)
+                policy_says_no = policy.mode == "never" or (policy.mode == "on-failure" and proc.exit_code == 0)
+                if policy_says_no:
+                    await self._give_up(proc, f"{proc.name} {proc.last_exit}; restart policy {policy.mode!r}")
+                    return
+                if len(proc.restart_times) >= policy.max_restarts:
+                    await self._give_up(proc, f"{proc.name} {proc.last_exit}; restart limit reached "
+                                              f"({len(proc.restart_times)}/{policy.max_restarts} in {policy.window_s:g} s)")
                     return
                 proc.restart_times.append(now)
                 attempt = len(proc.restart_times)
