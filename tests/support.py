@@ -121,6 +121,7 @@ def pd_profile(ports: list[int], router_extra: str = "", prefill_extra: str = ""
         port = {p_port}
         model_path = "/models/test"
         stop_timeout = 5
+        probe = {{ timeout = 0.5, liveness_interval = 0.3, failures = 2 }}
         {prefill_extra}
         [servers.prefill.options]
         disaggregation-bootstrap-port = {boot}
@@ -130,11 +131,13 @@ def pd_profile(ports: list[int], router_extra: str = "", prefill_extra: str = ""
         port = {d_port}
         model_path = "/models/test"
         stop_timeout = 5
+        probe = {{ timeout = 0.5, liveness_interval = 0.3, failures = 2 }}
         {decode_extra}
         [router]
         mode = "pd"
         port = {r_port}
         stop_timeout = 10
+        probe = {{ timeout = 0.5, liveness_interval = 0.3, failures = 2 }}
         {router_extra}
         [router.options]
         prometheus-host = "127.0.0.1"

@@ -191,6 +191,10 @@ class BusService:
     def close(self) -> None:
         for fn in self._on_close:
             fn()
+        try:  # the name first, synchronously: callers then get ServiceUnknown, not a half-gone object
+            self.bus.dbus.ReleaseName(names.bus_name(self.obj.Name))
+        except Exception:
+            pass
         self._publication.unpublish()
         self._glib_loop.quit()
         self._thread.join(timeout=2)

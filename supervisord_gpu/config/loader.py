@@ -333,15 +333,19 @@ def _common(t: Table, defaults: dict[str, Any], start_default: float, stop_defau
     }
 
 
-def _probe(t: Table, path_default: str, interval_default: float) -> Probe:
+def _probe(t: Table, path_default: str, interval_default: float, liveness_default: str) -> Probe:
     p = t.table("probe")
     probe = Probe(
         path=p.str("path", path_default),
         interval_s=p.number("interval", interval_default, lo=0.01, hi=600),
         timeout_s=p.number("timeout", 5.0, lo=0.05, hi=600),
+        liveness_path=p.str("liveness_path", liveness_default),
+        liveness_interval_s=p.number("liveness_interval", 10.0, lo=0.05, hi=86400),
+        failures=p.int("failures", 3, lo=1, hi=1000),
     )
-    if not probe.path.startswith("/"):
-        raise p.error("path", f"must start with '/', not {probe.path!r}")
+    for key, value in (("path", probe.path), ("liveness_path", probe.liveness_path)):
+        if not value.startswith("/"):
+            raise p.error(key, f"must start with '/', not {value!r}")
     p.finish()
     return probe
 
@@ -365,7 +369,7 @@ def _server(path: Path, name: str, data: Any, defaults: dict[str, Any], default_
     if not model_path.strip():
         raise t.error("model_path", "must not be empty")
     common = _common(t, defaults, 900.0, 60.0)
-    probe = _probe(t, "/health", 0.5)
+    probe = _probe(t, "/health", 0.5, "/health")
     options = _options(t.table("options"), SERVER_MANAGED)
     env = default_env + _env(t.table("env"))
     t.finish()
@@ -437,7 +441,8 @@ def _router(path: Path, data: Any, servers: list[ProcessSpec], defaults: dict[st
                 raise t.error(f, "is for mode \"pd\"")
     common = _common(t, defaults, 120.0, 200.0)
     fronted = workers + prefill + decode
-    probe = _probe(t, "/readiness", 0.2)
+    # Liveness on /liveness, not /readiness: a restarting worker must not get the router restarted too.
+    probe = _probe(t, "/readiness", 0.2, "/liveness")
     options = _options(t.table("options"), ROUTER_MANAGED)
     env = default_env + _env(t.table("env"))
     t.finish()

@@ -18,6 +18,10 @@ class Probe:
     path: str
     interval_s: float
     timeout_s: float
+    #: after ready: probed every liveness_interval_s; `failures` misses in a row kill the cgroup (then restart)
+    liveness_path: str = "/health"
+    liveness_interval_s: float = 10.0
+    failures: int = 3
 
 
 @dataclass(frozen=True)

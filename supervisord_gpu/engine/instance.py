@@ -74,6 +74,8 @@ class Instance:
             proc.on_unexpected_exit = self._on_unexpected_exit
             self.processes[launch.spec.name] = proc
         self._restart_tasks: dict[str, asyncio.Task[None]] = {}
+        self._start_abort: asyncio.Event | None = None
+        self._start_failure: StartError | None = None
         self._lock = asyncio.Lock()
         self.failed = asyncio.Event()  # set when the instance gives up (restart limit)
 
@@ -150,6 +152,9 @@ class Instance:
 
     async def _start_all(self) -> None:
         ready: dict[str, asyncio.Event] = {name: asyncio.Event() for name in self.processes}
+        all_up = asyncio.Event()
+        self._start_abort = asyncio.Event()
+        self._start_failure = None
 
         async def bring_up(proc: ManagedProcess) -> None:
             for dep in proc.spec.after:
@@ -157,8 +162,22 @@ class Instance:
             await proc.start()
             await proc.wait_ready()
             ready[proc.name].set()
+            if all(e.is_set() for e in ready.values()):
+                all_up.set()
+
+        async def watch() -> None:
+            # A process that dies after its own readiness but before the instance is ready fails
+            # the start (naming it); the restart policy only applies to a ready instance.
+            done = asyncio.ensure_future(all_up.wait())
+            abort = asyncio.ensure_future(self._start_abort.wait())
+            await asyncio.wait({done, abort}, return_when=asyncio.FIRST_COMPLETED)
+            done.cancel()
+            abort.cancel()
+            if self._start_failure is not None:
+                raise self._start_failure
 
         async with asyncio.TaskGroup() as tg:  # the first failure cancels the siblings
+            tg.create_task(watch())
             for spec in self.profile.processes:
                 tg.create_task(bring_up(self.processes[spec.name]))
 
@@ -191,6 +210,10 @@ class Instance:
     # ------------------------------------------------------------------ restarts
 
     def _on_unexpected_exit(self, proc: ManagedProcess) -> None:
+        if self.state == State.STARTING and self._start_abort is not None:
+            self._start_failure = StartError(proc._failure(f"exited during start-up ({proc.last_exit})"))
+            self._start_abort.set()
+            return
         if self.state in (State.STOPPING, State.STOPPED, State.FAILED) or proc.name in self._restart_tasks:
             return
         self._restart_tasks[proc.name] = asyncio.get_running_loop().create_task(self._restart(proc, policy_driven=True))
@@ -254,8 +277,9 @@ class Instance:
 
     async def _give_up(self, proc: ManagedProcess, why: str) -> None:
         self.sink.event(f"giving up: {why}; stopping the instance", 3, GPUSUP_EVENT="failed", GPUSUP_PROCESS=proc.name)
-        self._set_state(State.STOPPING, why)
-        await self._stop_all()
+        async with self._lock:  # never interleaved with a start or a stop
+            self._set_state(State.STOPPING, why)
+            await self._stop_all()
         proc.mark_failed(why)
         self._set_state(State.FAILED, why)
         self.failed.set()

@@ -90,6 +90,7 @@ class ManagedProcess:
         self._exited = asyncio.Event()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._liveness: asyncio.Task[None] | None = None
         self._stopping = False
         #: a router's readiness needs all of its workers healthy, not just one
         self.expected_workers = len(self.spec.workers) + len(self.spec.prefill) + len(self.spec.decode)
@@ -216,12 +217,13 @@ class ManagedProcess:
         while True:
             if self._exited.is_set():
                 raise StartError(self._failure(f"exited during start-up ({self.last_exit})"))
-            status = await http_status(host, spec.port, spec.probe.path, spec.probe.timeout_s, self.expected_workers)
+            status = await self._probe_unless_exited(host)
             if status == 200 and not self._exited.is_set():
                 self.ready_since = time.time()
                 self.phase_durations["total"] = time.monotonic() - started
                 self._set_phase(phases.SERVING)
                 self._set_state(State.READY)
+                self._liveness = asyncio.get_running_loop().create_task(self._watch_liveness())
                 self.sink.event(
                     f"{self.name}: ready ({spec.probe.path} answered 200 on {host}:{spec.port} after "
                     f"{time.monotonic() - started:.2f} s)",
@@ -245,6 +247,42 @@ class ManagedProcess:
             except asyncio.TimeoutError:
                 pass
 
+    async def _probe_unless_exited(self, host: str) -> int | None:
+        """One readiness probe, abandoned the moment the process exits (a hung listener on a stolen
+        port would otherwise hold us for the whole probe timeout)."""
+        spec = self.spec
+        probe = asyncio.ensure_future(http_status(host, spec.port, spec.probe.path, spec.probe.timeout_s, self.expected_workers))
+        exited = asyncio.ensure_future(self._exited.wait())
+        await asyncio.wait({probe, exited}, return_when=asyncio.FIRST_COMPLETED)
+        exited.cancel()
+        if not probe.done():
+            probe.cancel()
+            return None
+        return probe.result()
+
+    async def _watch_liveness(self) -> None:
+        """After ready: a process that stops answering (hung, SIGSTOPped, deadlocked) is killed with its
+        cgroup after `failures` misses in a row; its exit then goes through the restart policy."""
+        spec, probe = self.spec, self.spec.probe
+        misses = 0
+        while True:
+            await asyncio.sleep(probe.liveness_interval_s)
+            if self.state != State.READY or self._exited.is_set() or self.spawned is None:
+                return
+            status = await http_status(spec.probe_host, spec.port, probe.liveness_path, probe.timeout_s)
+            if status == 200:
+                misses = 0
+                continue
+            misses += 1
+            if misses >= probe.failures:
+                self.sink.event(
+                    f"{self.name}: {probe.liveness_path} failed {misses} times in a row ({status or 'no answer'}); "
+                    "killing its cgroup so the restart policy can bring it back",
+                    3, GPUSUP_PROCESS=self.name, GPUSUP_EVENT="unhealthy",
+                )
+                self.spawned.group.kill_all()
+                return
+
     def _failure(self, why: str) -> str:
         tail = "\n".join(f"    {line}" for line in list(self.tail)[-10:])
         return f"{self.name}: {why}" + (f"; last lines:\n{tail}" if tail else "")
@@ -262,6 +300,8 @@ class ManagedProcess:
             return 0.0
         timeout = self.spec.stop_timeout_s if timeout is None else timeout
         self._stopping = True
+        if self._liveness is not None:
+            self._liveness.cancel()
         began = time.monotonic()
         self._set_state(State.STOPPING)
         group = self.spawned.group
