@@ -48,7 +48,9 @@ class Daemon:
                 pass
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 self.log.seek(0)
-                raise AssertionError("daemon did not become ready:\n" + self.log.read()[-3000:])
+                text = self.log.read()[-3000:]
+                self.close()  # never leave a daemon behind: it would restart what the cgroup sandbox kills
+                raise AssertionError("daemon did not become ready:\n" + text)
             time.sleep(0.1)
 
     def close(self) -> None:

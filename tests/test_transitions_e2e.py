@@ -83,7 +83,8 @@ def test_pd_to_tp4_and_back_in_order_verified_and_without_losing_a_request(box):
         time.sleep(1.0)
         box.systemctl("start", "dsv4@tp4-512k", timeout=180)
         time.sleep(1.0)
-    assert box.is_active("dsv4@tp4-512k") == "active" and box.is_active("dsv4@pd-1p1d") == "inactive"
+    why = box.systemctl("status", "dsv4@pd-1p1d", check=False).stdout + box.journal("dsv4@pd-1p1d")[-3000:]
+    assert box.is_active("dsv4@tp4-512k") == "active" and box.is_active("dsv4@pd-1p1d") == "inactive", why
     order = [e["GPUSUP_PROCESS"] for e in events(box, "dsv4@pd-1p1d", "stopped")]
     assert order == ["router", "decode", "prefill"]
     verified = events(box, "dsv4@tp4-512k", "transition")
