@@ -476,7 +476,7 @@ def spawn_scheduler(rank: int, gpus: list[int], name: str) -> Scheduler:
     """Double-fork a detached scheduler in its own session; return its pid.
 
     The middle child calls setsid() and forks again, then exits, so the scheduler is
-    re-parented to PID 1 (or the nearest subreaper): tree walks, `pkill -P` and
+    re-parented to PID 1 (or the nearest subreaper): tree walks, parent-PID kills and
     process-group kills of the server do not reach it, only its cgroup does.
     """
     rfd, wfd = os.pipe()
