@@ -121,9 +121,9 @@ def make_plan(profile: Profile, cfg: DaemonConfig, conflicts: list[Conflict], fl
             other = load_profile(cfg, c.instance)
         except ConfigError:
             pass
-        order = " -> ".join(other.stop_order) if other else "its own order"
+        order = other.describe_stop_order() if other else "its own order"
         plan.steps.append(Step(f"stop dsv4@{c.instance} ({'systemd' if c.via == 'systemd' else c.via}): {order}, "
-                               "each verified gone (cgroup empty) before the next", c.stop_deadline_s,
+                               "each wave verified gone (cgroup empty) before the next", c.stop_deadline_s,
                                f"dsv4@{c.instance} inactive"))
     listens = ", ".join(f"{l.host}:{l.port}" for l in profile.listens())
     plan.steps.append(Step(f"wait until GPUs {','.join(map(str, sorted(profile.gpus)))} are idle and {listens} free",

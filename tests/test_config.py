@@ -54,6 +54,50 @@ def test_the_shipped_profiles_are_valid_and_share_port_30001():
     assert 30001 in {l.port for l in pd.listens()} & {l.port for l in tp4.listens()}
 
 
+TWO_DECODES = """
+[servers.prefill]
+role = "prefill"
+gpus = [0]
+port = 31000
+model_path = "/m"
+[servers.decode0]
+role = "decode"
+gpus = [1]
+port = 31001
+model_path = "/m"
+[servers.decode1]
+role = "decode"
+gpus = [2]
+port = 31003
+model_path = "/m"
+{decode1_extra}
+[router]
+mode = "pd"
+port = 31002
+"""
+
+
+@pytest.mark.parametrize(
+    "decode1_extra, waves",
+    [
+        ("", (("router",), ("decode1", "decode0"), ("prefill",))),
+        # decode1 waits for decode0 at start, so decode0 must outlive it at stop
+        ('after = ["decode0"]', (("router",), ("decode1",), ("decode0",), ("prefill",))),
+    ],
+)
+def test_stop_waves_join_same_role_neighbours_unless_one_depends_on_the_other(tmp_path, decode1_extra, waves):
+    cfg = load_daemon_config(setup_dir(tmp_path, TWO_DECODES.format(decode1_extra=decode1_extra)))
+    profile = load_profile(cfg, "p")
+    assert profile.stop_waves == waves
+    assert [n for w in profile.stop_waves for n in w] == list(profile.stop_order)
+
+
+def test_the_shipped_pd_profile_keeps_one_process_per_stop_wave():
+    pd = load_profile(load_daemon_config("etc/supervisord-gpu"), "pd-1p1d")
+    assert pd.stop_waves == (("router",), ("decode",), ("prefill",))
+    assert pd.describe_stop_order() == "router -> decode -> prefill"
+
+
 def test_a_good_profile_renders_full_flag_names(tmp_path, capsys):
     cdir = setup_dir(tmp_path, GOOD)
     assert gpusupctl.main(["render", "p", "--config-dir", str(cdir)]) == 0

@@ -109,6 +109,27 @@ def test_stop_order_is_router_then_decode_then_prefill(tmp_path, cgroups):
     assert cgroups.all_pids() == []
 
 
+def test_same_role_servers_stop_together_so_two_hung_drains_cost_one_deadline(tmp_path, cgroups):
+    hung = 'stop_timeout = 1.0\n[servers.{0}.env]\nSUPERVISORD_GPU_STANDIN_FAULT = "hang-on-term"'
+    text = two_servers_and_router(free_ports(4), a_extra=hung.format("alpha"), b_extra=hung.format("beta"))
+    cdir = write_config(tmp_path, {"p": text}, cgroups.root, startup=0.3)
+    rec = Recorder()
+    instance, _ = make_instance(cdir, "p", rec)
+
+    async def go() -> float:
+        await instance.start()
+        return await instance.stop()
+
+    took = asyncio.run(go())
+    router_stopped = rec.first("router", "stopped")
+    assert min(rec.first("alpha", "stopping"), rec.first("beta", "stopping")) >= router_stopped
+    assert max(rec.first("alpha", "stopping"), rec.first("beta", "stopping")) < min(
+        rec.first("alpha", "stopped"), rec.first("beta", "stopped")), "the two servers were stopped one after the other"
+    assert 1.0 <= took < 2.0  # one deadline, not two
+    assert cgroups.all_pids() == []
+    assert sim_holders(tmp_path) == []
+
+
 def test_a_process_that_ignores_sigterm_is_killed_at_its_stop_deadline(tmp_path, cgroups):
     ports = free_ports(1)
     text = f"""

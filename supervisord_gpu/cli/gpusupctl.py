@@ -117,7 +117,8 @@ def cmd_render(args: argparse.Namespace) -> int:
              "after": list(l.spec.after)}
             for l in launches
         ]
-        print(json.dumps({"profile": profile.name, "start_order": out, "stop_order": list(profile.stop_order)}, indent=2))
+        print(json.dumps({"profile": profile.name, "start_order": out, "stop_order": list(profile.stop_order),
+                          "stop_waves": [list(w) for w in profile.stop_waves]}, indent=2))
         return 0
     import shlex
 
@@ -128,7 +129,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         for k, v in l.env:
             print(f"    env {k}={shlex.quote(v)}")
         print("    argv " + " ".join(shlex.quote(a) for a in l.argv))
-    print(f"\nstop order: {' -> '.join(profile.stop_order)}")
+    print(f"\nstop order: {profile.describe_stop_order()}  (+ stops together)")
     return 0
 
 

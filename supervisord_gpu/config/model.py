@@ -127,6 +127,32 @@ class Profile:
         raise KeyError(name)
 
     @property
+    def stop_waves(self) -> tuple[tuple[str, ...], ...]:
+        """The stop order cut into waves that stop at the same time.
+
+        Neighbours in the stop order with the same role and no `after` between them (two decode
+        servers, sixteen TP replicas) have no reason to wait for each other: stopping them one
+        after the other makes N drains (or N stop deadlines, for hung ones) cost N times as much.
+        Anything that differs in role, or depends on the other, keeps the strict order.
+        """
+        waves: list[list[str]] = []
+        for name in self.stop_order:
+            spec = self.process(name)
+            wave = waves[-1] if waves else None
+            if wave is not None and all(
+                self.process(w).role == spec.role and w not in spec.after and name not in self.process(w).after
+                for w in wave
+            ):
+                wave.append(name)
+            else:
+                waves.append([name])
+        return tuple(tuple(w) for w in waves)
+
+    def describe_stop_order(self) -> str:
+        """`router -> decode0 + decode1 -> prefill`: `+` joins what stops together."""
+        return " -> ".join(" + ".join(w) for w in self.stop_waves)
+
+    @property
     def gpus(self) -> frozenset[int]:
         return frozenset(g for p in self.processes for g in p.gpus)
 

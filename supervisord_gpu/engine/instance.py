@@ -195,12 +195,12 @@ class Instance:
 
     async def _stop_all(self) -> float:
         began = time.monotonic()
-        for name in self.profile.stop_order:
-            await self.processes[name].stop()
+        for wave in self.profile.stop_waves:
+            await asyncio.gather(*(self.processes[name].stop() for name in wave))
         self.last_stop_s = time.monotonic() - began
         self.ready_at = None
         self.sink.event(
-            f"all processes stopped in {self.last_stop_s:.3f} s (order: {' -> '.join(self.profile.stop_order)})",
+            f"all processes stopped in {self.last_stop_s:.3f} s (order: {self.profile.describe_stop_order()})",
             6,
             GPUSUP_EVENT="instance-stopped",
             GPUSUP_DURATION_S=f"{self.last_stop_s:.3f}",
