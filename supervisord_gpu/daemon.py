@@ -20,7 +20,7 @@ from .config.model import DaemonConfig, Profile
 from .config.render import render
 from .engine.events import Event
 from .engine.instance import Instance
-from .errors import EXIT_FAILED, EXIT_OK, SupervisorError
+from .errors import EXIT_FAILED, EXIT_OK, SupervisorError, TakeoverFailed
 from .ownership import choose_driver
 from .systemd.journal import open_sink
 from .systemd.notify import Notifier, status_text
@@ -85,8 +85,8 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
 
     async def preflight() -> None:
         await lock.acquire()
-        stopped[:] = await prepare_start(profile, cfg, inventory, say=lambda m, p: sink.event(m, p, GPUSUP_EVENT="transition"),
-                                         progress=instance.set_transition)
+        await prepare_start(profile, cfg, inventory, say=lambda m, p: sink.event(m, p, GPUSUP_EVENT="transition"),
+                            progress=instance.set_transition, stopped=stopped)
         instance.set_transition("")
 
     exporter = None
@@ -119,7 +119,9 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
             instance.set_transition("")
             notifier.status(status_text(instance.status()))
             sink.event(str(exc), 3, GPUSUP_EVENT="start-failed")
-            if stopped and profile.rollback:
+            if not stopped:
+                raise exc
+            if profile.rollback:
                 for c in stopped:
                     try:
                         start_instance(c)
@@ -127,7 +129,8 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
                                    GPUSUP_EVENT="rollback")
                     except SupervisorError as e:
                         sink.event(f"rollback of dsv4@{c.instance} failed: {e}", 3, GPUSUP_EVENT="rollback")
-            raise exc
+            raise TakeoverFailed(f"{exc} (after taking over {', '.join('dsv4@' + c.instance for c in stopped)}"
+                                 + ("; rolled back" if profile.rollback else "; rollback = false") + ")") from exc
         if opts.on_ready:
             opts.on_ready(instance)
         if not opts.stop_after_ready:

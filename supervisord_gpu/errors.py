@@ -12,6 +12,7 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_PRECONDITIONS = 3
 EXIT_UNREACHABLE = 4
+EXIT_TAKEOVER_FAILED = 5  # the unit lists it in RestartPreventExitStatus: see TakeoverFailed
 
 
 class SupervisorError(Exception):
@@ -49,6 +50,16 @@ class StartError(SupervisorError):
     """A process did not become ready; says which, why, and its last lines."""
 
     exit_code = EXIT_FAILED
+
+
+class TakeoverFailed(SupervisorError):
+    """We stopped other instances to start, then failed (after rolling them back, if allowed).
+
+    Its own exit code so the unit can tell systemd not to retry: an automatic retry would tear
+    down again whatever the rollback brought back, and every round costs a full SGLang start.
+    """
+
+    exit_code = EXIT_TAKEOVER_FAILED
 
 
 class OwnershipError(SupervisorError):

@@ -102,8 +102,14 @@ async def check_profile(profile: Profile, inventory: GpuInventory) -> Preconditi
 
 
 async def prepare_start(profile: Profile, cfg: DaemonConfig, inventory: GpuInventory, say: Callable[[str, int], None],
-                        progress: Callable[[str], None] = lambda _m: None) -> list:  # type: ignore[type-arg]
-    """Validate, take over what is in the way, verify clear. Returns the instances stopped (for rollback)."""
+                        progress: Callable[[str], None] = lambda _m: None,
+                        stopped: list | None = None) -> list:  # type: ignore[type-arg]
+    """Validate, take over what is in the way, verify clear. Returns the instances stopped (for rollback).
+
+    `stopped` is filled as each instance is stopped, so that a failure later on (the wait for
+    idle GPUs times out because something foreign grabbed a port mid-transition) still knows
+    what to roll back.
+    """
     import asyncio
 
     from . import transition
@@ -117,7 +123,7 @@ async def prepare_start(profile: Profile, cfg: DaemonConfig, inventory: GpuInven
     if conflicts and not profile.takeover:
         raise PreconditionError("refusing to start: " + "; ".join(f"{c.describe()} is running" for c in conflicts)
                                 + " (takeover = false in the profile)")
-    stopped = []
+    stopped = [] if stopped is None else stopped
     if conflicts:
         plan = transition.make_plan(profile, cfg, conflicts, how)
         say(plan.render(), 6)
