@@ -144,6 +144,8 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
         await instance.stop("stop requested")
         return EXIT_OK
     finally:
+        notifier.status(status_text(instance.status()))
+        notifier.barrier()  # the last STATUS= must reach systemd before we exit
         if exporter is not None:
             exporter.stop()
         lock.release()

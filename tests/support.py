@@ -198,3 +198,72 @@ def start_decoy(port: int = 30001) -> subprocess.Popen[bytes]:
 
 def run(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(coro)
+
+
+# --------------------------------------------------------------------------- profile edits
+
+
+def tune(text: str, section: str, **keys: object) -> str:
+    """Set keys of one [section] of a profile (replacing those already there)."""
+    lines = text.splitlines()
+    out: list[str] = []
+    inside = False
+    pending = dict(keys)
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("["):
+            if inside and pending:
+                out += [f"{k} = {fmt(v)}" for k, v in pending.items()]
+                pending = {}
+            inside = stripped == f"[{section}]"
+        elif inside and "=" in stripped and stripped.split("=")[0].strip() in pending:
+            key = stripped.split("=")[0].strip()
+            out.append(f"{key} = {fmt(pending.pop(key))}")
+            continue
+        out.append(line)
+    if inside and pending:
+        out += [f"{k} = {fmt(v)}" for k, v in pending.items()]
+    assert not pending, f"no section [{section}]"
+    return "\n".join(out) + "\n"
+
+
+def fmt(value: object) -> str:
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(fmt(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {fmt(v)}" for k, v in value.items()) + " }"
+    return str(value)
+
+
+def with_env(text: str, process: str, **env: str) -> str:
+    body = "\n".join(f'{k} = "{v}"' for k, v in env.items())
+    return text + f"\n[servers.{process}.env]\n{body}\n"
+
+
+# --------------------------------------------------------------------------- matrix reports
+
+
+class MatrixReport:
+    """Prints a fault matrix (case, final state, leftovers, time) in pytest's terminal summary."""
+
+    def __init__(self, title, results: list[tuple[str, str, str, float]]) -> None:  # type: ignore[no-untyped-def]
+        self.title = title
+        self.results = results
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:  # type: ignore[no-untyped-def]
+        if not self.results:
+            return
+        tr = terminalreporter
+        tr.section(self.title())
+        width = max(len(c) for c, *_ in self.results)
+        tr.write_line(f"{'case':<{width}}  {'final state':<60}  {'leftovers':<10}  time")
+        for case, final, leftovers, took in self.results:
+            tr.write_line(f"{case:<{width}}  {final[:60]:<60}  {leftovers:<10}  {took:5.1f} s")
+        tr.write_line(f"total {sum(r[3] for r in self.results):.1f} s")
+
+
+def register_report(config, name: str, title, results: list) -> None:  # type: ignore[no-untyped-def]
+    if config.pluginmanager.get_plugin(name) is None:
+        config.pluginmanager.register(MatrixReport(title, results), name)

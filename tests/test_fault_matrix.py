@@ -50,7 +50,7 @@ from supervisord_gpu.checks.simgpu import SimulatedGpus
 from supervisord_gpu.engine.probe import http_status
 from supervisord_gpu.engine.states import State
 from supervisord_gpu.errors import StartError
-from support import alive, free_ports, make_instance, pd_profile, sim_holders, write_config
+from support import alive, free_ports, make_instance, pd_profile, register_report, sim_holders, tune, with_env, write_config
 
 SERVERS = ("prefill", "decode")
 GPU_OF = {"prefill": 0, "decode": 1}
@@ -122,65 +122,15 @@ NOT_APPLICABLE = [f"{t}-{f}-{p}" for t in TARGETS for f in FAULTS for p in PHASE
 RESULTS: list[tuple[str, str, str, float]] = []
 
 
-class _MatrixReport:
-    def pytest_terminal_summary(self, terminalreporter) -> None:  # type: ignore[no-untyped-def]
-        if not RESULTS:
-            return
-        tr = terminalreporter
-        tr.section(f"fault matrix: {len(RESULTS)} of {len(CASES)} cases run "
-                   f"({len(NOT_APPLICABLE)} combinations not applicable)")
-        width = max(len(c) for c, *_ in RESULTS)
-        tr.write_line(f"{'case':<{width}}  {'final state':<60}  {'leftovers':<10}  time")
-        for case, final, leftovers, took in RESULTS:
-            tr.write_line(f"{case:<{width}}  {final[:60]:<60}  {leftovers:<10}  {took:5.1f} s")
-        tr.write_line(f"total {sum(r[3] for r in RESULTS):.1f} s")
-
-
 @pytest.fixture(scope="module", autouse=True)
 def matrix_report(request):  # type: ignore[no-untyped-def]
-    if request.config.pluginmanager.get_plugin("fault-matrix-report") is None:
-        request.config.pluginmanager.register(_MatrixReport(), "fault-matrix-report")
+    register_report(request.config, "fault-matrix-report", lambda: (
+        f"fault matrix: {len(RESULTS)} of {len(CASES)} cases run ({len(NOT_APPLICABLE)} combinations not applicable)"),
+        RESULTS)
     yield
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def tune(text: str, section: str, **keys: object) -> str:
-    """Set keys of one [section] of a profile (replacing those already there)."""
-    lines = text.splitlines()
-    out: list[str] = []
-    inside = False
-    pending = dict(keys)
-    for line in lines:
-        stripped = line.strip()
-        if stripped.startswith("["):
-            if inside and pending:
-                out += [f"{k} = {fmt(v)}" for k, v in pending.items()]
-                pending = {}
-            inside = stripped == f"[{section}]"
-        elif inside and "=" in stripped and stripped.split("=")[0].strip() in pending:
-            key = stripped.split("=")[0].strip()
-            out.append(f"{key} = {fmt(pending.pop(key))}")
-            continue
-        out.append(line)
-    if inside and pending:
-        out += [f"{k} = {fmt(v)}" for k, v in pending.items()]
-    assert not pending, f"no section [{section}]"
-    return "\n".join(out) + "\n"
-
-
-def fmt(value: object) -> str:
-    if isinstance(value, str):
-        return f'"{value}"'
-    if isinstance(value, list):
-        return "[" + ", ".join(fmt(v) for v in value) + "]"
-    return str(value)
-
-
-def with_env(text: str, process: str, **env: str) -> str:
-    body = "\n".join(f'{k} = "{v}"' for k, v in env.items())
-    return text + f"\n[servers.{process}.env]\n{body}\n"
 
 
 def section(target: str) -> str:

@@ -8,8 +8,11 @@ so a wedged loop stops feeding it.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import os
+import select
+import socket
 import time
 from typing import Callable
 
@@ -77,6 +80,18 @@ class Notifier:
         elif self._sd is not None:
             self._sd.notify(message)
 
+    def barrier(self, timeout: float = 5.0) -> bool:
+        """Wait until systemd has processed everything sent so far (BARRIER=1, systemd >= 246).
+
+        Needed before exiting: systemd attributes a notification to a unit by its sender's
+        PID, and a daemon that sends its last STATUS= ("failed: prefill: exited during
+        start-up") and exits at once races its own exit — the message is dropped and
+        `systemctl status` goes on showing "starting: ...". True once systemd has caught up.
+        """
+        if not self.enabled or self._send_fn is not None:
+            return False
+        return notify_barrier(os.environ.get("NOTIFY_SOCKET", ""), timeout)
+
     def status(self, text: str) -> None:
         if text != self.last_status:
             self.last_status = text
@@ -118,3 +133,27 @@ class Notifier:
             if self.watchdog_s and healthy():
                 self.send("WATCHDOG=1")
             await asyncio.sleep(period)
+
+
+def notify_barrier(address: str, timeout: float) -> bool:
+    """sd_notify_barrier(3): send BARRIER=1 with a pipe's write end; systemd closes its copy
+    after processing every earlier message, and we see the hang-up."""
+    if not address:
+        return False
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    r, w = os.pipe()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.sendmsg([b"BARRIER=1"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [w]))], 0, address)
+        os.close(w)
+        w = -1
+        poller = select.poll()
+        poller.register(r, select.POLLHUP)
+        return bool(poller.poll(int(timeout * 1000)))
+    except OSError:
+        return False
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
