@@ -8,7 +8,7 @@ FOOTPRINT_IDLE_S seconds (default 60; the issue asks for 600 — set FOOTPRINT_I
 RSS and CPU% (from its CPU times over the window, in % of one core).
 
 Flood: a non-rehearsal daemon config (`[gpus] backend = "simulated"`, `[sglang]
-server_command` = bench/flood_child.py) runs one "server" that answers /health 200 at once
+server_command` = tests/flood_child.py) runs one "server" that answers /health 200 at once
 and then prints FLOOD_RATE (default 50,000) numbered lines per second ("seq=N") for FLOOD_S
 seconds (default 10). The daemon forwards each line to its stderr as "server| seq=N"; the
 captured stderr is checked for every number (lines lost must be 0). Reported: lines/s the
@@ -39,7 +39,7 @@ from support import CgroupSandbox, free_ports, write_config
 IDLE_S = float(os.environ.get("FOOTPRINT_IDLE_S", "60"))
 FLOOD_S = float(os.environ.get("FLOOD_S", "10"))
 FLOOD_RATE = int(os.environ.get("FLOOD_RATE", "50000"))
-FLOOD_CHILD = Path(__file__).resolve().parent / "flood_child.py"
+FLOOD_CHILD = Path(__file__).resolve().parent.parent / "tests" / "flood_child.py"
 DAEMON_ENV = {**os.environ, "DBUS_SYSTEM_BUS_ADDRESS": "unix:path=/nonexistent", "PYTHONUNBUFFERED": "1"}
 MIB = 1024 * 1024
 

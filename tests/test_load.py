@@ -1,4 +1,4 @@
-"""Status under load: 200 concurrent D-Bus GetStatus calls while a transition runs.
+"""Status under load: 200 concurrent D-Bus GetStatus calls while a transition runs, and a log flood.
 
 Two daemons (subprocesses, rehearsal, cgroupfs) on a private system-type bus: `pd` runs and is
 ready; then `tp` starts on GPUs and a port that overlap it, so its daemon takes `pd` over
@@ -7,12 +7,18 @@ before starting. While that transition runs, 200 clients, each on its own bus co
 both instances for their status at once. Every call must be answered within 1 s, except calls
 to `pd` made after its daemon has gone (the name has no owner any more: ServiceUnknown), and
 the transition must complete as it would without the load: `tp` ready, `pd`'s daemon exited 0.
+
+The flood: one "server" (tests/flood_child.py) prints 50,000 numbered lines a second for 3 s;
+every line must come out of the daemon, in order and none lost, while GetStatus keeps being
+answered within 1 s.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import signal
+import textwrap
 import subprocess
 import sys
 import threading
@@ -69,13 +75,13 @@ def has_owner(conn, name: str) -> bool:  # type: ignore[no-untyped-def]
 class Daemon:
     """`supervisord-gpu run NAME` as a subprocess, on the private bus."""
 
-    def __init__(self, name: str, cdir: Path, tmp: Path, bus: PrivateBus) -> None:
+    def __init__(self, name: str, cdir: Path, tmp: Path, bus: PrivateBus, rehearsal: bool = True) -> None:
         self.name = name
         self.log_path = tmp / f"daemon-{name}.log"
         self.log = open(self.log_path, "w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisord_gpu.cli.daemon", "run", name, "--config-dir", str(cdir), "--rehearsal",
-             "--stderr"],
+            [sys.executable, "-m", "supervisord_gpu.cli.daemon", "run", name, "--config-dir", str(cdir), "--stderr"]
+            + (["--rehearsal"] if rehearsal else []),
             env=bus.env(), stdout=self.log, stderr=subprocess.STDOUT,
         )
 
@@ -209,3 +215,70 @@ def test_200_concurrent_status_calls_during_a_transition_are_answered_within_1s(
     assert "(order: router -> decode -> prefill)" in pd.text()
     assert cgroups.all_pids() == [] and sim_holders(tmp_path) == []
     assert decoy.poll() is None and alive(decoy.pid)
+
+
+FLOOD_RATE = 50_000
+FLOOD_S = 3.0
+FLOOD_CHILD = Path(__file__).resolve().parent / "flood_child.py"
+
+
+def flood_config(tmp: Path, cgroup_root: Path, port: int) -> Path:
+    """A real (not rehearsal) config whose SGLang command is the flood child, on simulated GPUs."""
+    cdir = tmp / "etc"
+    (cdir / "profiles").mkdir(parents=True)
+    (cdir / "supervisord-gpu.toml").write_text(textwrap.dedent(f"""
+        [daemon]
+        ownership = "cgroupfs"
+        cgroup_root = "{cgroup_root}"
+        runtime_dir = "{tmp / 'run'}"
+        strict_modes = false
+        [sglang]
+        server_command = ["{sys.executable}", "{FLOOD_CHILD}"]
+        [gpus]
+        backend = "simulated"
+        [rehearsal]
+        simgpu_dir = "{tmp / 'simgpu'}"
+        """))
+    (cdir / "profiles" / "flood.toml").write_text(textwrap.dedent(f"""
+        [servers.server]
+        gpus = [0]
+        port = {port}
+        model_path = "/tmp"
+        [servers.server.env]
+        FLOOD_S = "{FLOOD_S}"
+        FLOOD_RATE = "{FLOOD_RATE}"
+        """))
+    return cdir
+
+
+def test_a_child_printing_50000_lines_a_second_loses_none_and_status_stays_under_1s(tmp_path, cgroups, bus):
+    daemon = Daemon("flood", flood_config(tmp_path, cgroups.root, free_ports(1)[0]), tmp_path, bus, rehearsal=False)
+    latencies: list[float] = []
+    try:
+        conn = gio_connect(bus.address)
+        daemon.wait_state(conn, "ready")
+        deadline = time.monotonic() + FLOOD_S + 60
+        with open(daemon.log_path, "rb") as log:
+            tail = b""
+            while True:
+                began = time.monotonic()
+                assert get_status(conn, "flood")["state"] == "ready"
+                latencies.append(time.monotonic() - began)
+                chunk = tail + log.read()
+                if b"flood done" in chunk:
+                    break
+                tail = chunk[-100:]
+                assert time.monotonic() < deadline and daemon.proc.poll() is None, daemon.text()[-2000:]
+                time.sleep(0.05)
+    finally:
+        daemon.close()
+    text = daemon.text()
+    done = re.search(r"flood done total=(\d+) seconds=([\d.]+)", text)
+    assert done, text[-2000:]
+    total, seconds = int(done.group(1)), float(done.group(2))
+    forwarded = [int(x) for x in re.findall(r"^server\| seq=(\d+)$", text, re.M)]
+    assert forwarded == list(range(total)), f"{total - len(set(forwarded))} of {total} lines lost or out of order"
+    assert total / seconds > 0.5 * FLOOD_RATE, f"the child managed only {total / seconds:.0f} lines/s"
+    assert len(latencies) >= 10 and max(latencies) < DEADLINE_S, sorted(latencies)[-5:]
+    print(f"flood: {total} lines in {seconds:.2f} s ({total / seconds:.0f}/s), 0 lost; "
+          f"GetStatus max {max(latencies) * 1000:.0f} ms over {len(latencies)} calls")

@@ -1,4 +1,4 @@
-"""A log-flooding "server" for bench/footprint.py: SGLang's command line, /health 200 at once, a flood on stdout.
+"""A log-flooding "server" for tests/test_load.py and bench/footprint.py: SGLang's command line, /health 200 at once, a flood on stdout.
 
 Accepts SGLang-style arguments (--model-path, --host, --port; anything else is ignored),
 listens on the port and answers GET /health (and anything else) 200 immediately, then writes
