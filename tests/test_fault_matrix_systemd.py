@@ -145,6 +145,13 @@ def said(box, name: str, process: str, text: str) -> bool:  # type: ignore[no-un
     return text in box.journal(unit(name), f"GPUSUP_PROCESS={process}")
 
 
+def wait_said(box, name: str, process: str, text: str, timeout: float = 20) -> None:  # type: ignore[no-untyped-def]
+    try:
+        until(lambda: said(box, name, process, text), timeout, f"{process} to say {text!r}")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{box.journal(unit(name))[-4000:]}") from None
+
+
 def ready_and_healthy(box, name: str) -> bool:  # type: ignore[no-untyped-def]
     """The unit active, STATUS "ready: ...", and every process ready according to the daemon itself."""
     if box.is_active(unit(name)) != "active" or not show(box, name, "StatusText").startswith("ready:"):
@@ -299,13 +306,13 @@ def inject_stopping(box, case: Case) -> str:  # type: ignore[no-untyped-def]
     box.systemctl("stop", "--no-block", unit(PD))
     if t == "daemon":
         until(lambda: box.is_active(unit(PD)) == "deactivating", 10, "deactivating")
-        until(lambda: said(box, PD, "prefill", "SIGTERM received"), 20, "prefill draining")
+        wait_said(box, PD, "prefill", "SIGTERM received")
         kill(box, victim)  # type: ignore[arg-type]
     elif f == "sigkill":
         if t == "router":
             time.sleep(1.0)  # the router is first in the stop order: SIGTERMed at once
         else:
-            until(lambda: said(box, PD, t, "SIGTERM received"), 20, f"{t} told to stop")
+            wait_said(box, PD, t, "SIGTERM received")
         kill(box, victim)  # type: ignore[arg-type]
     until(lambda: box.is_active(unit(PD)) in ("inactive", "failed"), 60, "the stop to finish")
     took = time.monotonic() - began
@@ -356,10 +363,10 @@ def inject_transition(box, case: Case) -> str:  # type: ignore[no-untyped-def]
         return "TP4 ready after systemd restarted its killed daemon"
     box.systemctl("start", "--no-block", unit(TP))
     if case.id == "old-prefill-sigkill-transition":
-        until(lambda: said(box, PD, "prefill", "SIGTERM received"), 30, "prefill told to stop")
+        wait_said(box, PD, "prefill", "SIGTERM received", 30)
         kill(box, main_pid(box, PD, "prefill"))  # type: ignore[arg-type]
     elif case.id == "old-daemon-sigkill-transition":
-        until(lambda: said(box, PD, "prefill", "SIGTERM received"), 30, "prefill draining")
+        wait_said(box, PD, "prefill", "SIGTERM received", 30)
         kill(box, int(show(box, PD, "MainPID")))
     until(lambda: box.is_active(unit(TP)) in ("active", "failed", "inactive"), 120, "the switch to end")
     assert ready_and_healthy(box, TP), box.journal(unit(TP))[-3000:]

@@ -111,3 +111,21 @@ def test_kill_9_of_the_daemon_leaves_no_child_running(tmp_path, cgroups, decoy):
         time.sleep(0.01)  # cgroup.kill is one write; the members' exits follow within milliseconds
     assert [p for p in cgroups.all_pids() if alive(p)] == []
     assert decoy.poll() is None
+
+
+def test_a_cgroup_removed_between_open_and_read_counts_as_empty(cgroups):
+    """systemd removes an empty scope's cgroup at once; reading a file we opened just before
+    then fails with ENODEV (found by the systemd fault matrix: the daemon died of it mid-stop)."""
+    from supervisord_gpu.ownership.cgroupfs import CgroupDir, cgroup_gone
+
+    path = cgroups.root / "vanishing"
+    path.mkdir(parents=True)
+    group = CgroupDir(path, cgroups.top.parent)
+    with open(path / "cgroup.events") as f:
+        path.rmdir()
+        with pytest.raises(OSError) as info:
+            f.read()
+    assert cgroup_gone(info.value)  # the kernel's answer is one we treat as "gone"
+    assert group.populated() is False and group.pids() == []
+    group.kill_all()  # nothing to kill, no error
+    assert asyncio.run(group.wait_empty(1.0)) is True

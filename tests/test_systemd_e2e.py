@@ -104,3 +104,31 @@ def test_a_daemon_that_stops_answering_the_watchdog_is_restarted_and_its_childre
     assert "watchdog timeout" in box.journal("dsv4@tp4-512k").lower()
     assert not old & {p.pid for p in stand_ins(box)}
     box.systemctl("stop", "dsv4@tp4-512k", timeout=60)
+
+
+@pytest.mark.parametrize("why, status, retried", [
+    ("bad-profile", "2", False),  # a retry fails the same way
+    ("port-held", "3", False),  # refused, nothing touched: the operator frees it and starts again
+    ("never-ready", "1", True),  # a plain start failure is still retried (Restart=on-failure)
+])
+def test_restart_on_failure_skips_what_a_retry_cannot_fix(box, why, status, retried):
+    box.install(startup=0.5, unit_extra="RestartSec=1\n")
+    path = "/etc/supervisord-gpu/profiles/tp4-512k.toml"
+    profile = box.read_file(path).replace("start_timeout = 900", "start_timeout = 2")
+    if why == "bad-profile":
+        profile = profile.replace("tp-size = 4", "tp-size = 4\ncuda-graph-max-bs = 8")
+    elif why == "never-ready":
+        profile = profile.replace("[servers.server.options]",
+                                  '[servers.server.env]\nSUPERVISORD_GPU_STANDIN_FAULT = "never-ready"\n[servers.server.options]')
+    else:
+        box.run(["systemd-run", "--unit=squatter", "--collect", "python3", "-c",
+                 "import socket, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+                 "s.bind(('0.0.0.0', 30001)); s.listen(); time.sleep(3600)"])
+    box.write_file(path, profile)
+    assert box.systemctl("start", "dsv4@tp4-512k", check=False, timeout=60).returncode != 0
+    assert box.systemctl("show", "-P", "ExecMainStatus", "dsv4@tp4-512k").stdout.strip() == status
+    time.sleep(2.5)  # past RestartSec=1
+    restarts = int(box.systemctl("show", "-P", "NRestarts", "dsv4@tp4-512k").stdout.strip())
+    assert (restarts > 0) == retried, f"NRestarts={restarts}"
+    box.systemctl("stop", "dsv4@tp4-512k", check=False)
+    assert ours(box) == [] and stand_ins(box) == []

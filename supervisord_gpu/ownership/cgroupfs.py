@@ -63,6 +63,12 @@ def writable(root: Path) -> bool:
         return False
 
 
+def cgroup_gone(e: OSError) -> bool:
+    """A cgroup removed under us (systemd removes an empty scope's at once): ENOENT when the
+    path is gone, ENODEV when it goes between open() and read() — both mean "empty"."""
+    return e.errno in (errno.ENOENT, errno.ENODEV)
+
+
 class CgroupDir(ProcessGroup):
     """One cgroup v2 directory."""
 
@@ -78,8 +84,9 @@ class CgroupDir(ProcessGroup):
                 try:
                     with open(os.path.join(dirpath, "cgroup.procs")) as f:
                         pids.update(int(x) for x in f.read().split())
-                except FileNotFoundError:
-                    continue
+                except OSError as e:
+                    if not cgroup_gone(e):
+                        raise
         return sorted(pids)
 
     def populated(self) -> bool:
@@ -89,8 +96,10 @@ class CgroupDir(ProcessGroup):
                     key, _, value = line.partition(" ")
                     if key == "populated":
                         return value.strip() == "1"
-        except FileNotFoundError:
-            return False
+        except OSError as e:
+            if cgroup_gone(e):
+                return False
+            raise
         return bool(self.pids())
 
     def kill_all(self, sig: int = signal.SIGKILL) -> None:
@@ -98,8 +107,10 @@ class CgroupDir(ProcessGroup):
             try:
                 (self.path / "cgroup.kill").write_text("1")
                 return
-            except FileNotFoundError:
-                return
+            except OSError as e:
+                if cgroup_gone(e):
+                    return
+                raise
         for pid in self.pids():  # older kernels, or another signal: every member by PID
             try:
                 os.kill(pid, sig)
@@ -115,8 +126,10 @@ class CgroupDir(ProcessGroup):
         try:
             try:
                 ino.watch(str(self.path / "cgroup.events"))
-            except FileNotFoundError:
-                return True
+            except OSError as e:
+                if cgroup_gone(e):
+                    return True
+                raise
             loop.add_reader(ino.fd, lambda: (ino.drain(), changed.set()))
             deadline = None if timeout is None else time.monotonic() + timeout
             while self.populated():
