@@ -190,8 +190,8 @@ def tuned_profiles(box, case: Case) -> None:  # type: ignore[no-untyped-def]
             pd = tune(with_env(pd, t, **{fault: "never-ready"}), sec, start_timeout=2)
         elif f == "hang":
             pd = tune(pd, sec, start_timeout=2)
-        elif f in ("sigkill", "grandchild") and t != "router" or t in ("router", "daemon"):
-            for s in ("prefill", "decode"):  # a wide window to hit while starting
+        else:  # sigkill, grandchild, port-stolen: servers that load for 2 s, a wide window to hit
+            for s in ("prefill", "decode"):
                 pd = with_env(pd, s, SUPERVISORD_GPU_STANDIN_STARTUP_S="2")
     elif p == "ready" and f == "crash":
         pd = with_env(pd, t, **{fault: "crash-after-ready:3"})
