@@ -153,7 +153,7 @@ def wait_said(box, name: str, process: str, text: str, timeout: float = 20) -> N
 
 
 def ready_and_healthy(box, name: str) -> bool:  # type: ignore[no-untyped-def]
-    """The unit active, STATUS "ready: ...", and every process ready according to the daemon itself."""
+    """The unit active, STATUS "ready: ...", every process ready according to the daemon, and port 30001 serving."""
     if box.is_active(unit(name)) != "active" or not show(box, name, "StatusText").startswith("ready:"):
         return False
     out = box.run([CTL, "status", name, "--json"], check=False).stdout
@@ -163,7 +163,13 @@ def ready_and_healthy(box, name: str) -> bool:  # type: ignore[no-untyped-def]
         return False
     procs = [p for inst in data.get("instances", []) if inst["instance"] == name
              for p in (inst.get("daemon") or {}).get("processes", [])]
-    return bool(procs) and all(p["state"] == "ready" for p in procs)
+    if not procs or any(p["state"] != "ready" for p in procs):
+        return False
+    # and what a client sees on port 30001: the PD router ready with all its workers, or the TP4 server healthy
+    path = "/readiness" if name == PD else "/health"
+    probe = ("import sys, urllib.request\n"
+             f"sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:30001{path}', timeout=2).status == 200 else 1)")
+    return box.run(["python3", "-c", probe], check=False).returncode == 0
 
 
 def gpus_idle(box) -> bool:  # type: ignore[no-untyped-def]
