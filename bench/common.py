@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
+import subprocess
 import statistics
 import sys
 import time
@@ -43,3 +45,28 @@ def write(name: str, data: dict[str, object]) -> Path:
 def table(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def terminate(proc: subprocess.Popen, timeout: float = 30) -> None:  # type: ignore[type-arg]
+    """SIGTERM a supervisor we started (ours, or the one we compare against), SIGKILL past `timeout`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def kill_holders(sim) -> int:  # type: ignore[no-untyped-def]
+    """Kill what still holds memory on SimulatedGpus `sim` (what a teardown left behind); returns how many."""
+    holders = sim.holders()
+    for h in holders:
+        try:
+            os.kill(h.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5
+    while sim.holders() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return len(holders)

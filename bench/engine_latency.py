@@ -29,7 +29,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from common import summary, table, write
+from common import kill_holders, summary, table, terminate, write
 
 from support import CgroupSandbox, Recorder, free_ports, make_instance, write_config
 from supervisord_gpu.checks.simgpu import SimulatedGpus
@@ -101,12 +101,7 @@ def daemon_ready_run(tmp: Path, sandbox: CgroupSandbox) -> float:
             time.sleep(0.01)
         return listener.ready_at - first_200(ready_file)
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(30)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait()
+        terminate(daemon)
         log.close()
         listener.close()
 
@@ -199,17 +194,8 @@ def supervisord_run(tmp: Path, startsecs: int) -> float:
             time.sleep(0.01)
         return running_at - first_200(ready_file)
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(30)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait()
-        for h in sim.holders():
-            try:
-                os.kill(h.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        terminate(daemon)
+        kill_holders(sim)
 
 
 def running_time(log: str) -> float | None:

@@ -21,25 +21,22 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
 import psutil
 
-from common import table, write
+from common import table, terminate, write
 
-from support import CgroupSandbox, free_ports, write_config
+from support import CgroupSandbox, flood_config, free_ports, write_config
 
 IDLE_S = float(os.environ.get("FOOTPRINT_IDLE_S", "60"))
 FLOOD_S = float(os.environ.get("FLOOD_S", "10"))
 FLOOD_RATE = int(os.environ.get("FLOOD_RATE", "50000"))
-FLOOD_CHILD = Path(__file__).resolve().parent.parent / "tests" / "flood_child.py"
 DAEMON_ENV = {**os.environ, "DBUS_SYSTEM_BUS_ADDRESS": "unix:path=/nonexistent", "PYTHONUNBUFFERED": "1"}
 MIB = 1024 * 1024
 
@@ -78,13 +75,7 @@ class Daemon:
     def stop(self, timeout: float = 30) -> float:
         """SIGTERM -> exit, seconds."""
         began = time.monotonic()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, timeout)
         took = time.monotonic() - began
         self.log.close()
         return took
@@ -147,32 +138,7 @@ prometheus-port = {ports[9]}
 
 
 def flood_case(tmp: Path, sandbox: CgroupSandbox) -> dict[str, object]:
-    port = free_ports(1)[0]
-    cdir = tmp / "etc"
-    (cdir / "profiles").mkdir(parents=True)
-    (cdir / "supervisord-gpu.toml").write_text(textwrap.dedent(f"""
-        [daemon]
-        ownership = "cgroupfs"
-        cgroup_root = "{sandbox.root}"
-        runtime_dir = "{tmp / 'run'}"
-        strict_modes = false
-        [sglang]
-        server_command = ["{sys.executable}", "{FLOOD_CHILD}"]
-        [gpus]
-        backend = "simulated"
-        wait_idle_timeout = 5
-        [rehearsal]
-        simgpu_dir = "{tmp / 'simgpu'}"
-        """))
-    (cdir / "profiles" / "flood.toml").write_text(textwrap.dedent(f"""
-        [servers.server]
-        gpus = [0]
-        port = {port}
-        model_path = "/tmp"
-        [servers.server.env]
-        FLOOD_S = "{FLOOD_S}"
-        FLOOD_RATE = "{FLOOD_RATE}"
-        """))
+    cdir = flood_config(tmp, sandbox.root, free_ports(1)[0], FLOOD_S, FLOOD_RATE)
     d = Daemon("flood", cdir, tmp / "daemon.log", rehearsal=False, env=DAEMON_ENV)
     try:
         d.wait_for("instance ready in", 60)

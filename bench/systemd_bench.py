@@ -6,9 +6,7 @@ detection, PD -> TP4 orchestration overhead against the scripted hand procedure,
 from __future__ import annotations
 
 import json
-import re
 import statistics
-import subprocess
 import time
 from pathlib import Path
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import psutil
 
-from common import summary, table, write
+from common import kill_holders, summary, table, terminate, write
 
 from support import CgroupSandbox, Recorder, free_ports, make_instance, write_config
 from supervisord_gpu.checks.ports import check_port
@@ -126,20 +126,6 @@ def poll_clear(sim: SimulatedGpus, gpus: set[int], ports: list[int], began: floa
         if time.monotonic() - began > CAP_S:
             return None
         time.sleep(every)
-
-
-def kill_holders(sim: SimulatedGpus) -> int:
-    """Kill what still holds simulated GPU memory (what a teardown left behind); returns how many."""
-    holders = sim.holders()
-    for h in holders:
-        try:
-            os.kill(h.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 5
-    while sim.holders() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return len(holders)
 
 
 def standin_env(sim: SimulatedGpus, gpu: int, fault: str | None) -> dict[str, str]:
@@ -295,13 +281,7 @@ def supervisord(n: int, tmp: Path, hard: bool) -> dict[str, float | int | None]:
                 "supervisor_share_s": (took - dying) if took is not None and dying is not None else None,
                 "left_behind": kill_holders(sim)}
     finally:
-        if daemon.poll() is None:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(30)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+        terminate(daemon)
         for pid in mains:
             try:
                 os.kill(pid, signal.SIGKILL)

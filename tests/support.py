@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +21,18 @@ from supervisord_gpu.config.loader import load_daemon_config, load_profile
 from supervisord_gpu.daemon import RunOptions, build_instance
 from supervisord_gpu.engine.events import Event
 from supervisord_gpu.ownership.cgroupfs import cgroup2_mount, remove_tree, writable
+
+
+def wait_for(pred, timeout: float = 10.0, what: str = "condition", interval: float = 0.05):  # type: ignore[no-untyped-def]
+    """Poll `pred` until it returns something true, and return that; fail naming `what` at the timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
 
 
 def free_ports(n: int) -> list[int]:
@@ -104,6 +115,37 @@ def write_config(
     )
     for name, text in profiles.items():
         (cdir / "profiles" / f"{name}.toml").write_text(textwrap.dedent(text))
+    return cdir
+
+
+def flood_config(tmp: Path, cgroup_root: Path, port: int, seconds: float, rate: int) -> Path:
+    """A real (not rehearsal) config whose SGLang command is tests/flood_child.py (`rate` numbered
+    lines a second for `seconds`), on simulated GPUs: the log-forwarding test and benchmark."""
+    cdir = tmp / "etc"
+    (cdir / "profiles").mkdir(parents=True)
+    (cdir / "supervisord-gpu.toml").write_text(textwrap.dedent(f"""
+        [daemon]
+        ownership = "cgroupfs"
+        cgroup_root = "{cgroup_root}"
+        runtime_dir = "{tmp / 'run'}"
+        strict_modes = false
+        [sglang]
+        server_command = ["{sys.executable}", "{Path(__file__).resolve().parent / 'flood_child.py'}"]
+        [gpus]
+        backend = "simulated"
+        wait_idle_timeout = 5
+        [rehearsal]
+        simgpu_dir = "{tmp / 'simgpu'}"
+        """))
+    (cdir / "profiles" / "flood.toml").write_text(textwrap.dedent(f"""
+        [servers.server]
+        gpus = [0]
+        port = {port}
+        model_path = "/tmp"
+        [servers.server.env]
+        FLOOD_S = "{seconds}"
+        FLOOD_RATE = "{rate}"
+        """))
     return cdir
 
 

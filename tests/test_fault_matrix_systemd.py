@@ -29,12 +29,11 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import pytest
 
 from box import REPO, box, ours, stand_ins  # noqa: F401  (box is a fixture)
-from support import register_report, tune, with_env
+from support import register_report, tune, wait_for, with_env
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 
@@ -105,17 +104,6 @@ def matrix_report(request):  # type: ignore[no-untyped-def]
 # --------------------------------------------------------------------------- helpers
 
 
-def until(predicate: Callable[[], object], timeout: float, what: str, every: float = 0.1) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(every)
-
-
 def unit(name: str) -> str:
     return f"dsv4@{name}.service"
 
@@ -147,7 +135,7 @@ def said(box, name: str, process: str, text: str) -> bool:  # type: ignore[no-un
 
 def wait_said(box, name: str, process: str, text: str, timeout: float = 20) -> None:  # type: ignore[no-untyped-def]
     try:
-        until(lambda: said(box, name, process, text), timeout, f"{process} to say {text!r}")
+        wait_for(lambda: said(box, name, process, text), timeout, f"{process} to say {text!r}")
     except AssertionError as e:
         raise AssertionError(f"{e}\n{box.journal(unit(name))[-4000:]}") from None
 
@@ -246,21 +234,21 @@ def inject_starting(box, case: Case) -> str:  # type: ignore[no-untyped-def]
     t, f = case.target, case.fault
     box.systemctl("start", "--no-block", unit(PD))
     if f == "sigkill" and t == "daemon":
-        until(lambda: main_pid(box, PD, "prefill"), 20, "prefill spawned")
+        wait_for(lambda: main_pid(box, PD, "prefill"), 20, "prefill spawned")
         kill(box, int(show(box, PD, "MainPID")))
     elif f == "sigkill" and t == "router":
-        kill(box, until(lambda: main_pid(box, PD, "router"), 20, "router spawned", every=0.02))  # type: ignore[arg-type]
+        kill(box, wait_for(lambda: main_pid(box, PD, "router"), 20, "router spawned", interval=0.02))  # type: ignore[arg-type]
     elif f == "sigkill":
-        until(lambda: schedulers(box, PD, t), 20, f"{t}'s scheduler")  # its memory taken, still loading
+        wait_for(lambda: schedulers(box, PD, t), 20, f"{t}'s scheduler")  # its memory taken, still loading
         kill(box, main_pid(box, PD, t))  # type: ignore[arg-type]
     elif f == "grandchild":
-        kill(box, until(lambda: schedulers(box, PD, t), 20, f"{t}'s scheduler")[0])  # type: ignore[index]
+        kill(box, wait_for(lambda: schedulers(box, PD, t), 20, f"{t}'s scheduler")[0])  # type: ignore[index]
     elif f == "hang" and t == "router":
-        kill(box, until(lambda: main_pid(box, PD, "router"), 20, "router spawned", every=0.02), "STOP")  # type: ignore[arg-type]
+        kill(box, wait_for(lambda: main_pid(box, PD, "router"), 20, "router spawned", interval=0.02), "STOP")  # type: ignore[arg-type]
     elif f == "port-stolen":
-        until(lambda: main_pid(box, PD, "prefill"), 20, "prefill spawned (the preflight done)")
+        wait_for(lambda: main_pid(box, PD, "prefill"), 20, "prefill spawned (the preflight done)")
         box.run(THIEF)
-    until(lambda: box.is_active(unit(PD)) in ("failed", "inactive"), 60, "the start to fail")
+    wait_for(lambda: box.is_active(unit(PD)) in ("failed", "inactive"), 60, "the start to fail")
     state = box.is_active(unit(PD))
     assert state == "failed", state
     if t == "daemon":
@@ -280,12 +268,12 @@ def inject_ready(box, case: Case) -> str:  # type: ignore[no-untyped-def]
     assert ready_and_healthy(box, PD)
     if t == "daemon":
         kill(box, int(show(box, PD, "MainPID")))
-        until(lambda: box.is_active(unit(PD)) in ("failed", "inactive"), 30, "the unit to go down")
+        wait_for(lambda: box.is_active(unit(PD)) in ("failed", "inactive"), 30, "the unit to go down")
         assert show(box, PD, "Result") == "signal"
         return f"killed: unit {box.is_active(unit(PD))} (Result=signal)"
     old_main, old_sched = main_pid(box, PD, t), schedulers(box, PD, t)
     if f == "crash":
-        until(lambda: box.is_active(unit(PD)) == "failed", 60, "the restart limit")
+        wait_for(lambda: box.is_active(unit(PD)) == "failed", 60, "the restart limit")
         status = show(box, PD, "StatusText")
         assert status.startswith(f"failed: {t} exit code 1; restart limit reached"), status
         return show(box, PD, "StatusText")
@@ -295,9 +283,9 @@ def inject_ready(box, case: Case) -> str:  # type: ignore[no-untyped-def]
         kill(box, old_main, "STOP")  # type: ignore[arg-type]
     elif f == "grandchild":
         kill(box, old_sched[0])
-    until(lambda: main_pid(box, PD, t) != old_main or f == "grandchild" and set(schedulers(box, PD, t)) - set(old_sched),
+    wait_for(lambda: main_pid(box, PD, t) != old_main or f == "grandchild" and set(schedulers(box, PD, t)) - set(old_sched),
           30, f"{t} replaced")
-    until(lambda: ready_and_healthy(box, PD), 30, "every process ready again")
+    wait_for(lambda: ready_and_healthy(box, PD), 30, "every process ready again")
     assert not set(old_sched) & set(schedulers(box, PD, t)), "the old scheduler survived"
     return f"ready again ({t} restarted)"
 
@@ -311,7 +299,7 @@ def inject_stopping(box, case: Case) -> str:  # type: ignore[no-untyped-def]
     began = time.monotonic()
     box.systemctl("stop", "--no-block", unit(PD))
     if t == "daemon":
-        until(lambda: box.is_active(unit(PD)) == "deactivating", 10, "deactivating")
+        wait_for(lambda: box.is_active(unit(PD)) == "deactivating", 10, "deactivating")
         wait_said(box, PD, "prefill", "SIGTERM received")
         kill(box, victim)  # type: ignore[arg-type]
     elif f == "sigkill":
@@ -320,7 +308,7 @@ def inject_stopping(box, case: Case) -> str:  # type: ignore[no-untyped-def]
         else:
             wait_said(box, PD, t, "SIGTERM received")
         kill(box, victim)  # type: ignore[arg-type]
-    until(lambda: box.is_active(unit(PD)) in ("inactive", "failed"), 60, "the stop to finish")
+    wait_for(lambda: box.is_active(unit(PD)) in ("inactive", "failed"), 60, "the stop to finish")
     took = time.monotonic() - began
     if t == "daemon":
         assert show(box, PD, "Result") == "signal"
@@ -345,26 +333,26 @@ def inject_transition(box, case: Case) -> str:  # type: ignore[no-untyped-def]
         assert box.systemctl("start", unit(TP), check=False, timeout=120).returncode != 0
         assert show(box, TP, "ExecMainStatus") == "5"  # a failed takeover
         assert journal_names(box, TP, "thief.service", "(foreign)", "rollback")
-        until(lambda: box.is_active(unit(PD)) == "failed", 60, "the rollback to be refused")
+        wait_for(lambda: box.is_active(unit(PD)) == "failed", 60, "the rollback to be refused")
         assert show(box, PD, "ExecMainStatus") == "3"  # refused, naming the thief
         assert journal_names(box, PD, "refusing to start", "thief.service")
         box.systemctl("stop", "thief.service")
         return "TP4 failed (exit 5), rollback refused (exit 3): thief named"
     if case.id == "new-server-crash-transition":
         assert box.systemctl("start", unit(TP), check=False, timeout=120).returncode != 0
-        until(lambda: box.is_active(unit(PD)) == "active", 60, "the rollback")
-        until(lambda: ready_and_healthy(box, PD), 30, "PD ready again")
+        wait_for(lambda: box.is_active(unit(PD)) == "active", 60, "the rollback")
+        wait_for(lambda: ready_and_healthy(box, PD), 30, "PD ready again")
         assert show(box, TP, "ExecMainStatus") == "5"
         time.sleep(1.5)
         assert box.is_active(unit(TP)) == "failed" and show(box, TP, "NRestarts") == "0", "a failed takeover was retried"
         return "rolled back: PD ready, TP4 failed (exit 5, not retried)"
     if case.id == "new-daemon-sigkill-transition":
         box.systemctl("start", "--no-block", unit(TP))
-        until(lambda: main_pid(box, TP, "server"), 60, "TP4's server spawned (PD stopped)")
+        wait_for(lambda: main_pid(box, TP, "server"), 60, "TP4's server spawned (PD stopped)")
         first = show(box, TP, "MainPID")
         kill(box, int(first))
-        until(lambda: show(box, TP, "NRestarts") == "1", 30, "systemd to restart the daemon")
-        until(lambda: ready_and_healthy(box, TP), 60, "TP4 ready after the restart")
+        wait_for(lambda: show(box, TP, "NRestarts") == "1", 30, "systemd to restart the daemon")
+        wait_for(lambda: ready_and_healthy(box, TP), 60, "TP4 ready after the restart")
         assert box.is_active(unit(PD)) == "inactive"
         return "TP4 ready after systemd restarted its killed daemon"
     box.systemctl("start", "--no-block", unit(TP))
@@ -374,7 +362,7 @@ def inject_transition(box, case: Case) -> str:  # type: ignore[no-untyped-def]
     elif case.id == "old-daemon-sigkill-transition":
         wait_said(box, PD, "prefill", "SIGTERM received", 30)
         kill(box, int(show(box, PD, "MainPID")))
-    until(lambda: box.is_active(unit(TP)) in ("active", "failed", "inactive"), 120, "the switch to end")
+    wait_for(lambda: box.is_active(unit(TP)) in ("active", "failed", "inactive"), 120, "the switch to end")
     assert ready_and_healthy(box, TP), box.journal(unit(TP))[-3000:]
     assert box.is_active(unit(PD)) in ("inactive", "failed")
     if case.id == "old-decode-hang-transition":
@@ -404,5 +392,5 @@ def test_fault_under_systemd_ends_in_a_defined_state_with_nothing_left(box, case
         left = sorted({p.pid for p in ours(box) + stand_ins(box)})
         RESULTS.append((case.id, final, f"pids {left}" if left else "none", time.monotonic() - began))
     assert left == [], [(p.pid, p.comm, p.cgroup) for p in ours(box) + stand_ins(box)]
-    until(lambda: gpus_idle(box), 10, "every GPU idle")
+    wait_for(lambda: gpus_idle(box), 10, "every GPU idle")
     assert box.is_active("decoy.service") == "active", "the decoy was touched"

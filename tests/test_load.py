@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import textwrap
 import subprocess
 import sys
 import threading
@@ -29,7 +28,7 @@ import pytest
 
 from private_bus import PrivateBus
 from supervisord_gpu.bus import names
-from support import alive, free_ports, pd_profile, sim_holders, write_config
+from support import alive, flood_config, free_ports, pd_profile, sim_holders, write_config
 
 pytestmark = pytest.mark.dbus
 
@@ -219,40 +218,11 @@ def test_200_concurrent_status_calls_during_a_transition_are_answered_within_1s(
 
 FLOOD_RATE = 50_000
 FLOOD_S = 3.0
-FLOOD_CHILD = Path(__file__).resolve().parent / "flood_child.py"
-
-
-def flood_config(tmp: Path, cgroup_root: Path, port: int) -> Path:
-    """A real (not rehearsal) config whose SGLang command is the flood child, on simulated GPUs."""
-    cdir = tmp / "etc"
-    (cdir / "profiles").mkdir(parents=True)
-    (cdir / "supervisord-gpu.toml").write_text(textwrap.dedent(f"""
-        [daemon]
-        ownership = "cgroupfs"
-        cgroup_root = "{cgroup_root}"
-        runtime_dir = "{tmp / 'run'}"
-        strict_modes = false
-        [sglang]
-        server_command = ["{sys.executable}", "{FLOOD_CHILD}"]
-        [gpus]
-        backend = "simulated"
-        [rehearsal]
-        simgpu_dir = "{tmp / 'simgpu'}"
-        """))
-    (cdir / "profiles" / "flood.toml").write_text(textwrap.dedent(f"""
-        [servers.server]
-        gpus = [0]
-        port = {port}
-        model_path = "/tmp"
-        [servers.server.env]
-        FLOOD_S = "{FLOOD_S}"
-        FLOOD_RATE = "{FLOOD_RATE}"
-        """))
-    return cdir
 
 
 def test_a_child_printing_50000_lines_a_second_loses_none_and_status_stays_under_1s(tmp_path, cgroups, bus):
-    daemon = Daemon("flood", flood_config(tmp_path, cgroups.root, free_ports(1)[0]), tmp_path, bus, rehearsal=False)
+    daemon = Daemon("flood", flood_config(tmp_path, cgroups.root, free_ports(1)[0], FLOOD_S, FLOOD_RATE), tmp_path, bus,
+                    rehearsal=False)
     latencies: list[float] = []
     try:
         conn = gio_connect(bus.address)

@@ -14,6 +14,7 @@ import pytest
 
 from rig import systemd_container as rig
 from rig.systemd_container import SystemdContainer
+from support import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_PY = REPO / ".venv" / "bin" / "python"
@@ -48,17 +49,6 @@ TimeoutStartSec=30
 
 def _name(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
-
-
-def _wait_for(pred, timeout: float = 10.0, what: str = "condition"):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def _install_notify_unit(c: SystemdContainer) -> None:
@@ -152,12 +142,12 @@ def test_notify_unit_is_active_only_after_ready(systemd_container: SystemdContai
     unit = f"rig-notify@{inst}.service"
     try:
         c.systemctl("start", "--no-block", unit)
-        _wait_for(lambda: c.is_active(unit) == "activating", what="activating")
+        wait_for(lambda: c.is_active(unit) == "activating", what="activating")
         time.sleep(0.5)  # plenty of time to go active, were READY=1 not awaited
         assert c.is_active(unit) == "activating"
         assert "waiting for the gate" in c.systemctl("show", "-P", "StatusText", unit).stdout
         c.run(["touch", f"/run/rig-notify/{inst}.go"])
-        _wait_for(lambda: c.is_active(unit) == "active", what="active")
+        wait_for(lambda: c.is_active(unit) == "active", what="active")
         assert c.systemctl("show", "-P", "StatusText", unit).stdout.strip() == "past the gate"
         # a blocking start returns once READY=1 is sent
         inst2 = _name("b")
@@ -177,7 +167,7 @@ def test_journal_shows_unit_output(systemd_container: SystemdContainer) -> None:
     c.run(["touch", f"/run/rig-notify/{inst}.go"])
     c.systemctl("start", f"rig-notify@{inst}.service", timeout=30)
     try:
-        out = _wait_for(
+        out = wait_for(
             lambda: (j := c.journal("rig-notify@*", "-o", "cat")) and f"ready {inst}" in j and j,
             what="journal lines",
         )
@@ -215,7 +205,7 @@ def test_unit_cgroup_and_processes(systemd_container: SystemdContainer) -> None:
     try:
         cg = c.unit_cgroup(unit)
         assert cg == f"/sys/fs/cgroup/system.slice/{unit}"
-        procs = _wait_for(lambda: c.processes(f"/system.slice/{unit}"), what="the sleep")
+        procs = wait_for(lambda: c.processes(f"/system.slice/{unit}"), what="the sleep")
         assert [p.cmdline[1:] for p in procs] == [("300",)] and procs[0].comm == "sleep"
         assert c.read_file(f"{cg}/cgroup.procs").split() == [str(procs[0].pid)]
         everything = c.processes()

@@ -20,13 +20,14 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import psutil
 import pytest
 
 from supervisord_gpu.checks.simgpu import SimulatedGpus
 from supervisord_gpu.rehearsal import standin_router, standin_server
+from support import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -75,17 +76,6 @@ def http(method: str, url: str, body: Any = None, timeout: float = 5.0) -> tuple
 
 def status(url: str, timeout: float = 2.0) -> int:
     return http("GET", url, timeout=timeout)[0]
-
-
-def wait_for(pred: Callable[[], Any], timeout: float, interval: float = 0.05, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 class Procs:

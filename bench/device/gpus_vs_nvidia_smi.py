@@ -35,15 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from common import machine, summary  # noqa: E402
-
-HOG = """\
-import sys, time, torch
-x = torch.empty(int(float(sys.argv[1]) * 2**30), dtype=torch.uint8, device="cuda")
-torch.cuda.synchronize()
-print("holding", flush=True)
-time.sleep(600)
-"""
-
+from gpu_nvml_idle import start_hog  # noqa: E402  (a torch process holding GiB on one GPU)
 
 def timed(argv: list[str], env: dict[str, str]) -> tuple[float, str, int]:
     began = time.perf_counter()
@@ -75,9 +67,7 @@ def main() -> int:
                                             base),
         "python3 -c pass": ([sys.executable, "-c", "pass"], compiled),
     }
-    hog = subprocess.Popen([sys.executable, "-c", HOG, str(args.hold_gib)], stdout=subprocess.PIPE, text=True,
-                           env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
-    assert hog.stdout is not None and hog.stdout.readline() == "holding\n"
+    hog = start_hog("0", args.hold_gib)
     samples: dict[str, list[float]] = {k: [] for k in commands}
     outputs: dict[str, str] = {}
     codes: dict[str, int] = {}
