@@ -28,7 +28,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from . import __version__
 from .config.model import MetricsConfig
-from .engine import phases
+from .sglang import logs as phases
 from .engine.events import Event
 from .engine.states import State
 from .errors import SupervisorError

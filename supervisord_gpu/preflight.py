@@ -49,7 +49,7 @@ def raise_for_missing(profile: Profile, report: PreconditionReport) -> None:
 
 def validate_in_full(profile: Profile, cfg: DaemonConfig) -> str:
     """Flags against the SGLang that will run, model paths; returns how the flags were checked."""
-    from .sglang_flags import check_profile_flags
+    from .sglang.flags import check_profile_flags
 
     checks = check_profile_flags(profile, use_real=False if cfg.rehearsal.enabled else None)
     for c in checks:

@@ -4,10 +4,11 @@ Why not aiohttp or FastAPI: the stand-ins run by the dozen (up to 64 servers on 
 2-core machine) and must start in a few tens of milliseconds with a small memory
 footprint, so they use only `http.server`, `http.client` and `socket`.
 
-Everything here is plumbing: a threading HTTP server that refuses to move to another
-port, a request handler with JSON helpers and an in-flight counter (what graceful
-draining waits on), a one-shot HTTP client, the SGLang-style log line, and a way to set
-the process name the way `setproctitle` would.
+Everything here is plumbing: a threading HTTP server that binds exactly the port asked
+for (a bind failure is the caller's to report, each stand-in the way its original does), a
+request handler with JSON helpers and an in-flight counter (what the router's graceful
+shutdown waits on), a one-shot HTTP client, the SGLang-style log line and raw writes under
+one lock (tqdm updates), and a way to set the process name the way `setproctitle` would.
 """
 
 from __future__ import annotations
@@ -25,21 +26,27 @@ from urllib.parse import urlsplit
 _print_lock = threading.RLock()  # re-entrant: a signal handler may log while the main thread is printing
 
 
-def log(message: str, tag: str | None = "TP0", stream: Any = None) -> None:
-    """Print one SGLang-style log line, "[YYYY-MM-DD HH:MM:SS TP0] message", flushed.
+def log(message: str, tag: str | None = None, stream: Any = None) -> None:
+    """Print one SGLang-style log line, "[YYYY-MM-DD HH:MM:SS] message" (or "[... TP1] ..."), flushed.
 
-    Flushing each line matters: a supervisor reads the log through a pipe or the
-    journal and reacts to start-up phases as they happen.
+    SGLang's format has no level name, and its lines go to stderr (the default here).
+    Flushing each line matters: a supervisor reads the log through a pipe or the journal and
+    reacts to start-up phases as they happen.
     """
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     prefix = f"[{stamp} {tag}] " if tag else f"[{stamp}] "
-    out = stream if stream is not None else sys.stdout
+    write_raw(prefix + message + "\n", stream)
+
+
+def write_raw(text: str, stream: Any = None) -> None:
+    """Write text as it is (a tqdm update, a log line) under the print lock, flushed."""
+    out = stream if stream is not None else sys.stderr
     with _print_lock:
         try:
-            out.write(prefix + message + "\n")
+            out.write(text)
             out.flush()
         except (OSError, ValueError):
-            pass  # stdout closed (reader gone): a log line is not worth dying for
+            pass  # the reader is gone: a log line is not worth dying for
 
 
 def set_process_name(name: str) -> None:
@@ -157,20 +164,6 @@ class StandinHTTPServer(ThreadingHTTPServer):
         if isinstance(exc, (BrokenPipeError, ConnectionResetError, TimeoutError)):
             return
         super().handle_error(request, client_address)
-
-
-def bind_or_exit(host: str, port: int, handler: type[BaseHTTPRequestHandler], what: str) -> StandinHTTPServer:
-    """Bind host:port or exit 1 with a clear message.
-
-    Real SGLang 0.5.23 has no strict-port option and may settle on another port; the
-    stand-in deliberately fails instead, so a supervisor's port check is what is tested.
-    """
-    try:
-        return StandinHTTPServer(host, port, handler)
-    except OSError as e:
-        log(f"ERROR: {what} cannot bind {host}:{port}: {e.strerror or e} "
-            f"(address already in use?); not moving to another port.", tag=None, stream=sys.stderr)
-        sys.exit(1)
 
 
 def serve_in_thread(server: StandinHTTPServer, name: str) -> threading.Thread:

@@ -2,23 +2,47 @@
 
 Used only where the real router is not installed (it is a 31 MB wheel that does run on
 CPU machines, and tests prefer it). It copies what a supervisor sees of the real one,
-as observed running 0.3.2 against stand-in servers:
+as observed running 0.3.2 against stand-in servers (shared/reference/sglang-router.md, and
+re-checked 2026-12-01 for the points below):
 
 * the command line: the 0.3.2 option names and value counts; unknown options exit 2.
   Stricter than the real parser on one point: abbreviations are rejected;
+* its log: tracing's format with ANSI colours on stdout, even into a pipe or file:
+  "\x1b[2m2026-12-01 08:47:14\x1b[0m \x1b[32m INFO\x1b[0m \x1b[2msmg::server\x1b[0m\x1b[2m:\x1b[0m
+  \x1b[2m/home/runner/work/sglang/sglang/src/server.rs\x1b[0m\x1b[2m:\x1b[0m\x1b[2m794:\x1b[0m message"
+  (WARN in \x1b[33m, ERROR in \x1b[31m); every request it serves is logged ("started
+  processing request", then "finished processing request" at INFO, a 4xx at WARN, a 5xx at
+  ERROR);
+* the Prometheus port is bound before anything is printed; busy: a Rust panic on stderr
+  ("thread '<unnamed>' (TID) panicked at .../src/observability/metrics.rs:360:10:" /
+  "failed to install Prometheus metrics exporter: FailedToCreateHTTPListener("Address already
+  in use (os error 98)")", then pyo3's PanicException traceback), exit 1, and nothing on stdout.
+  The HTTP port busy (after its start-up lines): "Error starting router: Address already in
+  use (os error 98)" and a RuntimeError traceback on stderr, exit 1;
 * `/health` and `/liveness` answer 200 "OK" as soon as the port listens (not readiness);
-* workers are registered once they first answer GET /health 200 (polled every 0.5 s;
-  one not healthy within --worker-startup-timeout-secs is dropped for good); after that
-  they are checked every --health-check-interval-secs with the failure/success
-  thresholds;
+* workers: each is registered once its GET /health (timeout --health-check-timeout-secs)
+  answers 200, retried with a linear backoff (1 s, 2 s, ... capped at 5 s); one not healthy
+  within --worker-startup-timeout-secs is dropped for good. Registration reads /server_info
+  and /model_info (falling back to the get_ forms) into the worker's metadata. After that
+  they are checked every --health-check-interval-secs with the failure/success thresholds.
+  Each worker is probed in its own thread: a /health costing seconds delays no other worker;
 * `/readiness` is 503 {"status":"not ready","reason":"insufficient healthy workers"} until
   at least one registered worker is healthy (PD: one prefill and one decode), then 200
   {"status":"ready","healthy_workers":N,"total_workers":N}. Like the real router, a
   configured worker that has not come up yet is not counted at all: readiness does
   not mean every worker is up;
-* `/workers` (GET lists, POST {"url":...} adds, 202), POST `/generate` (and the OpenAI
-  routes) forwarded round-robin; in PD mode sent to a prefill and a decode with
-  bootstrap_host/bootstrap_port/bootstrap_room added, answering with the decode reply;
+* `/workers`: GET lists registered workers; GET /workers/{id} one of them (400 for an id that
+  is not a UUID, 404 {"error":"Worker <id> not found","code":"WORKER_NOT_FOUND"}); POST
+  {"url":..., "worker_type": "prefill"|"decode" (anything else: regular, also in PD mode),
+  "bootstrap_port": N} answers 202 {"status":"accepted","worker_id":...,"url":...,"location":
+  "/workers/ID","message":"Worker addition queued for background processing"} (the same id for
+  a URL it already has; 422 without "url", 400 for a body that is not JSON) and activates the
+  worker once its /health answers 200; DELETE /workers/{id} answers 202 {"status":"accepted",
+  "worker_id":ID,"message":"Worker removal queued for background processing"} and the worker is
+  gone from routing and from GET /workers at once, while requests already sent to it complete;
+* POST `/generate` (and the OpenAI routes) forwarded round-robin; in PD mode sent to a
+  prefill and a decode with bootstrap_host/bootstrap_port/bootstrap_room added, answering
+  with the decode reply;
 * SIGTERM: "Received terminate signal, starting graceful shutdown", the listener closes at
   once, in-flight requests drain for at most --shutdown-grace-period-secs, exit 0.
   SIGINT kills it by signal 2, as with the real one. One process, no children.
@@ -30,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import signal
 import sys
@@ -44,7 +69,6 @@ from supervisord_gpu.rehearsal._http import (
     JSONHandler,
     SignalLatch,
     StandinHTTPServer,
-    bind_or_exit,
     fetch,
     serve_in_thread,
     set_process_name,
@@ -52,7 +76,8 @@ from supervisord_gpu.rehearsal._http import (
 
 ROUTER_VERSION = "0.3.2"
 POLICIES = ["random", "round_robin", "cache_aware", "power_of_two", "manual"]
-STARTUP_POLL_S = 0.5
+REGISTRATION_BACKOFF_CAP_S = 5.0  # registration retries: 1 s, 2 s, 3 s, ... capped at 5 s
+SRC = "/home/runner/work/sglang/sglang/src"  # where the wheel was built: its log lines name it
 
 # sglang-router 0.3.2's options (read from its RouterArgs.add_cli_args): name -> kind.
 # Kinds: "str"/"int"/"float" one value, "flag" no value, "*"/"+" lists of strings.
@@ -143,11 +168,11 @@ class Worker:
     id: str = field(default_factory=lambda: str(uuid.uuid4()))
     registered: bool = False
     dropped: bool = False
+    removed: bool = False
     healthy: bool = False
     fails: int = 0
     successes: int = 0
     added_at: float = field(default_factory=time.monotonic)
-    next_check: float = 0.0
     model_id: str = "unknown"
     metadata: dict[str, str] = field(default_factory=dict)
     load: int = 0
@@ -175,14 +200,119 @@ def _parse_prefill(values: list[str]) -> tuple[str, int | None]:
         raise ValueError(f"Invalid bootstrap port: {values[1]}. Must be a number or 'none'") from None
 
 
-def log(level: str, target: str, message: str) -> None:
-    """A line shaped like the real router's (without its ANSI colours)."""
+# --- output, as tracing-subscriber prints it (colours even into a pipe) -----------------
+
+_DIM, _RESET = "\x1b[2m", "\x1b[0m"
+_LEVELS = {"DEBUG": "\x1b[34mDEBUG", "INFO": "\x1b[32m INFO", "WARN": "\x1b[33m WARN", "ERROR": "\x1b[31mERROR"}
+_print_lock = threading.Lock()
+
+
+def _source(target: str) -> str:
+    """The source file tracing names for a target: smg::core::worker_manager -> src/core/worker_manager.rs."""
+    parts = target.split("::")[1:] or ["lib"]
+    return f"{SRC}/{'/'.join(parts)}.rs"
+
+
+def _emit(text: str) -> None:
+    with _print_lock:
+        try:
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def log(level: str, target: str, message: str, line: int = 1) -> None:
+    """A line shaped like the real router's, ANSI colours included."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    _emit(f"{_DIM}{stamp}{_RESET} {_LEVELS.get(level, _LEVELS['INFO'])}{_RESET} {_DIM}{target}{_RESET}{_DIM}:{_RESET} "
+          f"{_DIM}{_source(target)}{_RESET}{_DIM}:{_RESET}{_DIM}{line}:{_RESET} {message}")
+
+
+def _field(name: str, value: str) -> str:
+    return f"\x1b[3m{name}{_RESET}{_DIM}={_RESET}{value}"
+
+
+def log_request(method: str, uri: str, request_id: str, status: int | None = None, latency_us: int = 0) -> None:
+    """The middleware's two lines per request: started, then finished (or failed)."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    fields = [_field("method", method), _field("uri", uri), _field("version", "HTTP/1.1"),
+              _field("module", '"smg"'), _field("request_id", f'"{request_id}"')]
+    if status is None:
+        level, target, line, message = "INFO", "smg::request", 310, "started processing request"
+    else:
+        fields += [_field("status_code", str(status)), _field("latency", str(latency_us))]
+        if status >= 500:
+            level, line, message = "ERROR", 349, "request failed with server error"
+        elif status >= 400:
+            level, line, message = "WARN", 354, "request failed with client error"
+        else:
+            level, line, message = "INFO", 359, "finished processing request"
+        target = "smg::response"
+    span = f"\x1b[1mhttp_request{_RESET}\x1b[1m{{{_RESET}{' '.join(fields)}\x1b[1m}}{_RESET}"
+    _emit(f"{_DIM}{stamp}{_RESET} {_LEVELS[level]}{_RESET} {span}{_DIM}:{_RESET} {_DIM}{target}{_RESET}{_DIM}:{_RESET} "
+          f"{_DIM}{SRC}/middleware.rs{_RESET}{_DIM}:{_RESET}{_DIM}{line}:{_RESET} {message}")
+
+
+def _stderr(text: str) -> None:
     try:
-        sys.stdout.write(f"{stamp} {level:>5} {target}: {message}\n")
-        sys.stdout.flush()
+        sys.stderr.write(text)
+        sys.stderr.flush()
     except (OSError, ValueError):
         pass
+
+
+_PY_FRAMES = (
+    'Traceback (most recent call last):\n'
+    '  File "<frozen runpy>", line 198, in _run_module_as_main\n'
+    '  File "<frozen runpy>", line 88, in _run_code\n'
+    '  File "{pkg}/launch_router.py", line 109, in <module>\n'
+    '    main()\n'
+    '  File "{pkg}/launch_router.py", line 105, in main\n'
+    '    launch_router(router_args)\n'
+)
+
+
+def _io_error(e: OSError) -> str:
+    """How Rust's std::io::Error displays: "Address already in use (os error 98)"."""
+    return f"{e.strerror or e} (os error {e.errno})" if e.errno else str(e)
+
+
+def panic_prometheus(e: OSError) -> None:
+    """The real router's panic when its Prometheus listener cannot be created (exit 1 follows)."""
+    message = f'failed to install Prometheus metrics exporter: FailedToCreateHTTPListener("{_io_error(e)}")'
+    text = (f"\nthread '<unnamed>' ({threading.get_native_id()}) panicked at {SRC}/observability/metrics.rs:360:10:\n"
+            f"{message}\n")
+    if os.environ.get("RUST_BACKTRACE", "0") not in ("", "0"):
+        text += ("stack backtrace:\n   0: __rustc::rust_begin_unwind\n   1: core::panicking::panic_fmt\n"
+                 "   2: core::result::unwrap_failed\n   3: smg::observability::metrics::start_prometheus\n"
+                 "note: Some details are omitted, run with `RUST_BACKTRACE=full` for a verbose backtrace.\n")
+    else:
+        text += "note: run with `RUST_BACKTRACE=1` environment variable to display a backtrace\n"
+    pkg = "sglang_router"
+    text += (_PY_FRAMES.format(pkg=pkg)
+             + f'  File "{pkg}/launch_router.py", line 48, in launch_router\n    router.start()\n'
+             + f'  File "{pkg}/router.py", line 319, in start\n    self._router.start()\n'
+             + f"pyo3_runtime.PanicException: {message}\n")
+    _stderr(text)
+
+
+def error_starting_router(e: OSError) -> None:
+    """launch_router's `logger.error(f"Error starting router: {e}")` and the re-raised RuntimeError."""
+    pkg = "sglang_router"
+    _stderr(f"Error starting router: {_io_error(e)}\n"
+            + _PY_FRAMES.format(pkg=pkg)
+            + f'  File "{pkg}/launch_router.py", line 52, in launch_router\n    raise e\n'
+            + f'  File "{pkg}/launch_router.py", line 48, in launch_router\n    router.start()\n'
+            + f'  File "{pkg}/router.py", line 319, in start\n    self._router.start()\n'
+            + f"RuntimeError: {_io_error(e)}\n")
+
+
+def _policy_text(policy: str) -> str:
+    return {"round_robin": "RoundRobin", "random": "Random", "manual": "Manual",
+            "power_of_two": "PowerOfTwo { load_check_interval_secs: 5 }",
+            "cache_aware": "CacheAware { cache_threshold: 0.3, balance_abs_threshold: 64, balance_rel_threshold: 1.5, "
+                           "eviction_interval_secs: 120, max_tree_size: 67108864 }"}.get(policy, policy)
 
 
 class StandinRouter:
@@ -211,82 +341,123 @@ class StandinRouter:
     def run(self) -> int:
         a = self.args
         set_process_name("sglang::router")
-        mode = (f"PrefillDecode {{ prefill_urls: {[(w.url, w.bootstrap_port) for w in self.workers if w.worker_type == 'prefill']}, "
-                f"decode_urls: {[w.url for w in self.workers if w.worker_type == 'decode']} }}"
-                if self.pd else f"Regular {{ worker_urls: {[w.url for w in self.workers]} }}")
-        log("INFO", "smg::server", f"Starting router on {a.host}:{a.port} | mode: {mode} | policy: {a.policy} "
-            f"| stand-in sglang-router {ROUTER_VERSION}")
-        self.http = bind_or_exit(a.host, a.port, _make_handler(self), "router")
-        try:
+        try:  # the metrics exporter is installed before the logger: a panic, nothing on stdout
             self.prom = StandinHTTPServer(a.prometheus_host, a.prometheus_port, _make_prom_handler(self))
         except OSError as e:
-            log("ERROR", "smg::metrics", f"Failed to start Prometheus exporter on "
-                f"{a.prometheus_host}:{a.prometheus_port}: {e.strerror or e}")
+            panic_prometheus(e)
+            return 1
+        if self.pd:
+            mode = (f"PrefillDecode {{ prefill_urls: {[(w.url, w.bootstrap_port) for w in self.workers if w.worker_type == 'prefill']}, "
+                    f"decode_urls: {json.dumps([w.url for w in self.workers if w.worker_type == 'decode'])} }}")
+        else:
+            mode = f"Regular {{ worker_urls: {json.dumps([w.url for w in self.workers])} }}"
+        log("INFO", "smg::server", f"Starting router on {a.host}:{a.port} | mode: {mode} | policy: "
+            f"{_policy_text(a.policy)} | max_payload: 512MB | stand-in sglang-router {ROUTER_VERSION}", 794)
+        log("INFO", "smg::server", f"Initializing workers for routing mode: {mode}", 833)
+        log("INFO", "smg::server", "Worker initialization job submitted (will complete in background)", 851)
+        log("INFO", "smg::server", "Workers initialized: 0 total, 0 healthy", 875)
+        log("INFO", "smg::server", f"Rate limiting is disabled (max_concurrent_requests = {a.max_concurrent_requests})", 907)
+        log("INFO", "smg::server", "Router ready | workers: []", 985)
+        log("INFO", "smg::server", f"Starting server on {a.host}:{a.port}", 1018)
+        try:
+            self.http = StandinHTTPServer(a.host, a.port, _make_handler(self))
+        except OSError as e:
+            error_starting_router(e)
+            return 1
         term = SignalLatch(signal.SIGTERM)
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # like the real one: SIGINT ends it by signal 2
         serve_in_thread(self.http, "router-http")
-        if self.prom is not None:
-            serve_in_thread(self.prom, "router-prometheus")
-        threading.Thread(target=self._health_loop, name="health", daemon=True).start()
-        log("INFO", "smg::server", f"Starting server on {a.host}:{a.port}")
+        serve_in_thread(self.prom, "router-prometheus")
+        for w in list(self.workers):
+            self._start_worker_thread(w)
         term.wait()
         self.stopping.set()
         return self._shutdown()
 
     def _shutdown(self) -> int:
-        log("INFO", "smg::server", "Received terminate signal, starting graceful shutdown")
+        log("INFO", "smg::server", "Received terminate signal, starting graceful shutdown", 1088)
         assert self.http is not None
         self.http.shutdown()  # stop accepting...
         self.http.server_close()  # ...and close the listener: new connections are refused
         if not self.http.inflight.wait_idle(self.args.shutdown_grace_period_secs):
-            log("WARN", "smg::server", "Graceful shutdown period elapsed; dropping in-flight requests")
+            log("WARN", "smg::server", "Graceful shutdown period elapsed; dropping in-flight requests", 1101)
         if self.prom is not None:
             self.prom.shutdown()
             self.prom.server_close()
-        log("INFO", "smg::server", "Server shutdown complete")
+        log("INFO", "smg::server", "Server shutdown complete", 1110)
         return 0
 
     # -- workers ------------------------------------------------------------------------
 
     def add_worker(self, url: str, worker_type: str = "regular", bootstrap_port: int | None = None) -> Worker:
-        w = Worker(url, worker_type, bootstrap_port)
+        """POST /workers: the worker it already has under that URL, or a new one being registered."""
         with self.lock:
+            for w in self.workers:
+                if w.url == url and not w.removed and not w.dropped:
+                    return w
+            w = Worker(url, worker_type, bootstrap_port)
             self.workers.append(w)
+        self._start_worker_thread(w)
         return w
 
-    def _health_loop(self) -> None:
-        a = self.args
-        while not self.stopping.is_set():
-            now = time.monotonic()
-            with self.lock:
-                due = [w for w in self.workers if not w.dropped and w.next_check <= now]
-            for w in due:
-                ok = self._probe(w)
-                self._record(w, ok, time.monotonic())
-            self.stopping.wait(min(STARTUP_POLL_S, max(0.05, a.health_check_interval_secs)))
+    def remove_worker(self, worker_id: str) -> Worker | None:
+        """DELETE /workers/{id}: out of routing and of the listing at once; in-flight requests finish."""
+        with self.lock:
+            w = next((x for x in self.workers if x.id == worker_id and x.registered and not x.dropped), None)
+            if w is None:
+                return None
+            w.removed = True
+            self.workers.remove(w)
+        log("INFO", "smg::core::steps::worker::local::update_remaining_policies", f"Removed worker {w.url}", 56)
+        return w
 
-    def _probe(self, w: Worker) -> bool:
+    def find(self, worker_id: str) -> Worker | None:
+        with self.lock:
+            return next((w for w in self.workers if w.id == worker_id and w.registered and not w.dropped), None)
+
+    def _start_worker_thread(self, w: Worker) -> None:
+        threading.Thread(target=self._worker_loop, args=(w,), name=f"worker-{w.id[:8]}", daemon=True).start()
+
+    def _worker_loop(self, w: Worker) -> None:
+        """Register one worker (linear backoff), then health-check it every interval."""
+        a = self.args
+        attempt = 0
+        while not self.stopping.is_set() and not w.removed:
+            attempt += 1
+            ok, why = self._probe(w)
+            if ok:
+                self._register(w)
+                break
+            if time.monotonic() - w.added_at > a.worker_startup_timeout_secs:
+                with self.lock:
+                    w.dropped = True
+                log("ERROR", "smg::core::worker_manager",
+                    f"Worker {w.url} did not become healthy within {a.worker_startup_timeout_secs}s; dropped", 412)
+                return
+            delay = min(float(attempt), REGISTRATION_BACKOFF_CAP_S)
+            log("WARN", "smg::workflow::event", f'Step failed step_id=detect_connection_mode error="Step failed: '
+                f'detect_connection_mode - HTTP health check failed for {w.url}: {why}" will_retry=true', 233)
+            log("INFO", "smg::workflow::event", f"Step retrying step_id=detect_connection_mode attempt={attempt + 1} "
+                f"delay_ms={int(delay * 1000)}", 247)
+            if self.stopping.wait(delay):
+                return
+        while not self.stopping.wait(max(0.05, float(a.health_check_interval_secs))):
+            if w.removed:
+                return
+            ok, _ = self._probe(w)
+            self._record(w, ok)
+
+    def _probe(self, w: Worker) -> tuple[bool, str]:
         try:
             status, _, _ = fetch("GET", w.url.rstrip("/") + self.args.health_check_endpoint,
                                  timeout=float(self.args.health_check_timeout_secs))
-            return status == 200
-        except OSError:
-            return False
+            return status == 200, f"Health check failed: status {status}"
+        except OSError as e:
+            return False, f"Health check failed: error sending request for url ({w.url}{self.args.health_check_endpoint}): {e}"
 
-    def _record(self, w: Worker, ok: bool, now: float) -> None:
+    def _record(self, w: Worker, ok: bool) -> None:
         a = self.args
-        if not w.registered:
-            if ok:
-                self._register(w)
-                w.next_check = now + a.health_check_interval_secs
-            elif now - w.added_at > a.worker_startup_timeout_secs:
-                w.dropped = True
-                log("ERROR", "smg::core::worker_manager",
-                    f"Worker {w.url} did not become healthy within {a.worker_startup_timeout_secs}s; dropped")
-            else:
-                w.next_check = now + STARTUP_POLL_S
-            return
-        w.next_check = now + a.health_check_interval_secs
+        became_unhealthy = False
         with self.lock:
             if ok:
                 w.fails = 0
@@ -298,22 +469,44 @@ class StandinRouter:
                 w.fails += 1
                 if w.healthy and w.fails >= a.health_failure_threshold:
                     w.healthy = False
-                    log("WARN", "smg::core::worker", f"Worker {w.url} marked unhealthy")
+                    became_unhealthy = True
+        if became_unhealthy:
+            log("WARN", "smg::core::worker", f"Worker {w.url} marked unhealthy", 321)
+
+    def _get_json(self, url: str, *paths: str) -> dict[str, Any]:
+        for path in paths:
+            try:
+                status, _, body = fetch("GET", url.rstrip("/") + path, timeout=float(self.args.health_check_timeout_secs))
+                if status == 200:
+                    info = json.loads(body)
+                    return info if isinstance(info, dict) else {}
+                if status != 404:
+                    return {}
+            except (OSError, ValueError):
+                return {}
+        return {}
 
     def _register(self, w: Worker) -> None:
-        try:
-            status, _, body = fetch("GET", w.url.rstrip("/") + "/model_info", timeout=5.0)
-            info = json.loads(body) if status == 200 else {}
-        except (OSError, ValueError):
-            info = {}
+        server = self._get_json(w.url, "/server_info", "/get_server_info")
+        model = self._get_json(w.url, "/model_info", "/get_model_info")
+        meta: dict[str, str] = {}
+        for k in ("tp_size", "dp_size", "load_balance_method", "disaggregation_mode"):
+            if server.get(k) is not None:
+                meta[k] = str(server[k])
+        for k in ("model_path", "served_model_name", "model_type"):
+            if model.get(k) is not None:
+                meta[k] = str(model[k])
+        if model.get("architectures") is not None:
+            meta["architectures"] = json.dumps(model["architectures"], separators=(",", ":"))
         with self.lock:
-            w.model_id = str(info.get("served_model_name") or info.get("model_path") or "unknown")
-            w.metadata = {k: str(v) for k, v in info.items()
-                          if k in ("model_path", "served_model_name", "model_type", "disaggregation_mode")}
+            if w.removed:
+                return
+            w.model_id = str(model.get("served_model_name") or model.get("model_path") or "unknown")
+            w.metadata = meta
             w.registered = True
             w.healthy = True
             w.fails = w.successes = 0
-        log("INFO", "smg::core::steps::worker::shared::activate", f"Activated 1 worker(s) (marked as healthy): {w.url}")
+        log("INFO", "smg::core::steps::worker::shared::activate", f"Activated 1 worker(s) (marked as healthy): {w.url}", 48)
 
     def healthy(self, worker_type: str) -> list[Worker]:
         with self.lock:
@@ -411,8 +604,46 @@ class StandinRouter:
             "type": "Service Unavailable", "code": "no_workers", "message": "No workers are available"}}).encode()
 
 
+def _request_id() -> str:
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    return "req-" + "".join(random.choice(chars) for _ in range(24))
+
+
 def _make_handler(app: StandinRouter) -> type[JSONHandler]:
     class Handler(JSONHandler):
+        status_sent = 0
+
+        def send_response(self, code: int, message: str | None = None) -> None:
+            self.status_sent = int(code)
+            super().send_response(code, message)
+            self.send_header("x-request-id", self.request_id)
+
+        def _logged(self, handle: Any) -> None:
+            self.request_id = _request_id()
+            uri = self.path.split("?", 1)[0]
+            log_request(self.command, uri, self.request_id)
+            t0 = time.monotonic()
+            try:
+                handle()
+            finally:
+                log_request(self.command, uri, self.request_id, self.status_sent or 500,
+                            int((time.monotonic() - t0) * 1e6))
+
+        def _worker_id(self, path: str) -> str | None:
+            """The {id} of /workers/{id}, or None after answering 400 for one that is not a UUID."""
+            worker_id = path[len("/workers/"):]
+            try:
+                uuid.UUID(worker_id)
+            except ValueError:
+                self.send_json(400, {"error": f"Invalid worker_id '{worker_id}' (expected UUID). Error: invalid "
+                                              f"character: expected an optional prefix of `urn:uuid:` followed by "
+                                              f"[0-9a-fA-F-]", "code": "BAD_REQUEST"})
+                return None
+            return worker_id
+
+        def _not_found(self, worker_id: str) -> None:
+            self.send_json(404, {"error": f"Worker {worker_id} not found", "code": "WORKER_NOT_FOUND"})
+
         def _workers_get(self) -> None:
             regs = app.registered()
             self.send_json(200, {"workers": [w.describe() for w in regs], "total": len(regs), "stats": {
@@ -420,17 +651,45 @@ def _make_handler(app: StandinRouter) -> type[JSONHandler]:
                 "decode_count": sum(w.worker_type == "decode" for w in regs),
                 "regular_count": sum(w.worker_type == "regular" for w in regs)}})
 
-        def _workers_post(self) -> None:
-            try:
-                body = self.read_json()
-                url = body["url"]
-            except (ValueError, KeyError, TypeError):
-                self.send_json(400, {"error": {"message": "expected a JSON body with 'url'"}})
+        def _worker_get(self, path: str) -> None:
+            worker_id = self._worker_id(path)
+            if worker_id is None:
                 return
-            kind = body.get("worker_type") or ("decode" if app.pd else "regular")
-            w = app.add_worker(url, kind, body.get("bootstrap_port"))
-            self.send_json(202, {"status": "accepted", "worker_id": w.id, "url": url,
-                                 "location": f"/workers/{w.id}", "message": "Worker addition queued"})
+            w = app.find(worker_id)
+            if w is None:
+                self._not_found(worker_id)
+            else:
+                self.send_json(200, w.describe())
+
+        def _worker_delete(self, path: str) -> None:
+            worker_id = self._worker_id(path)
+            if worker_id is None:
+                return
+            if app.remove_worker(worker_id) is None:
+                self._not_found(worker_id)
+            else:
+                self.send_json(202, {"status": "accepted", "worker_id": worker_id,
+                                     "message": "Worker removal queued for background processing"})
+
+        def _workers_post(self) -> None:
+            raw = self.read_body()
+            try:
+                body = json.loads(raw or b"")
+            except ValueError as e:
+                self.send_text(400, f"Failed to parse the request body as JSON: {e}")
+                return
+            url = body.get("url") if isinstance(body, dict) else None
+            if not isinstance(url, str):
+                self.send_text(422, "Failed to deserialize the JSON body into the target type: missing field `url`")
+                return
+            kind = body.get("worker_type")
+            kind = kind if kind in ("prefill", "decode") else "regular"
+            port = body.get("bootstrap_port")
+            w = app.add_worker(url, kind, port if isinstance(port, int) else None)
+            self.send_bytes(202, json.dumps({"status": "accepted", "worker_id": w.id, "url": url,
+                                             "location": f"/workers/{w.id}",
+                                             "message": "Worker addition queued for background processing"}).encode(),
+                            headers={"location": f"/workers/{w.id}"})
 
         def _readiness(self) -> None:
             status, obj = app.readiness()
@@ -454,7 +713,11 @@ def _make_handler(app: StandinRouter) -> type[JSONHandler]:
                 self.send_bytes(status, body, ctype)
 
         def do_GET(self) -> None:
-            self.dispatch({
+            path = self.path.split("?", 1)[0]
+            if path.startswith("/workers/"):
+                self._logged(lambda: self._worker_get(path))
+                return
+            self._logged(lambda: self.dispatch({
                 "/health": lambda: self.send_text(200, "OK"),
                 "/liveness": lambda: self.send_text(200, "OK"),
                 "/readiness": self._readiness,
@@ -464,15 +727,22 @@ def _make_handler(app: StandinRouter) -> type[JSONHandler]:
                 "/get_model_info": lambda: self._proxy("/model_info"),
                 "/get_server_info": lambda: self.send_json(200, {
                     "router_manager": True, "routers_count": 1, "workers_count": len(app.registered())}),
-            })
+            }))
 
         def do_POST(self) -> None:
-            self.dispatch({
+            self._logged(lambda: self.dispatch({
                 "/generate": self._forward,
                 "/v1/completions": self._forward,
                 "/v1/chat/completions": self._forward,
                 "/workers": self._workers_post,
-            })
+            }))
+
+        def do_DELETE(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path.startswith("/workers/"):
+                self._logged(lambda: self._worker_delete(path))
+            else:
+                self._logged(lambda: self.send_json(404, {"detail": "Not Found"}))
 
     return Handler
 
@@ -498,7 +768,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         router = StandinRouter(args)
     except ValueError as e:
-        log("ERROR", "router", f"Error starting router: {e}")
+        _stderr(f"Error starting router: {e}\n")
         return 1
     return router.run()
 

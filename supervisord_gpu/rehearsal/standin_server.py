@@ -1,50 +1,140 @@
 """Stand-in for `python -m sglang.launch_server` (SGLang 0.5.23), for tests and rehearsal.
 
 SGLang cannot run without GPUs, so the supervisor is tested (and rehearsed, in the
-product's no-GPU mode) against this imitation. It copies what a supervisor can see and
-must cope with, and nothing else:
+product's no-GPU mode) against this imitation. It copies what a supervisor can see and must
+cope with -- the surface *and* the timing and failure modes of shared/reference/
+sglang-server.md -- and nothing else.
 
-* the command line: SGLang's exact option names (the 529 of 0.5.23 plus their aliases),
-  parsed with full names only; unknown options and the removed `--cuda-graph-max-bs`
-  exit 2 with argparse's "unrecognized arguments" / "ambiguous option" errors;
-* the HTTP port opens at once, /health and /ready answer 503 while "loading" and after
-  SIGTERM, 200 once loaded; /v1/models answers 200 before that (not a readiness signal);
-* the start-up log phases of sglang-server.md, each line "[YYYY-MM-DD HH:MM:SS TP0] ...";
-* detached scheduler processes: one per rank (at most 8), each double-forked into its
-  own session so it is re-parented to PID 1 (or the nearest subreaper). Those detached
-  grandchildren hold the simulated GPU memory. A graceful SIGTERM stops them; any other
-  death of the main process (SIGKILL, crash faults) leaves them alive, holding memory,
-  which is the upstream bug (SGLang issue 23627) a supervisor must survive: only killing
-  the whole cgroup frees the GPUs. A scheduler killed from outside makes the main process
-  exit 1 (SGLang's SIGQUIT path), leaving the other schedulers where they are.
+Command line: exactly SGLang's (supervisord_gpu.sglang.options.parse_args): unknown options and
+the removed `--cuda-graph-max-bs` exit 2 like the real parser. No --model-path: exit 1.
 
-Command line: exactly SGLang's. Stand-in-only settings come from the environment:
+Output. Every log line goes to stderr as "[YYYY-MM-DD HH:MM:SS] msg", with " TP<rank>" inside
+the brackets only when --tp-size > 1 (lines of the scheduler processes), and no level name;
+--log-level filters them like SGLang's logging (at "warning", even "fired up" is not printed).
+uvicorn's lines carry uvicorn's level prefix ("[...] INFO:     Uvicorn running on ...", "[...]
+ERROR:    [Errno 98] ..."), its access log ("INFO:     127.0.0.1:PORT - "GET /health HTTP/1.1"
+200 OK") goes to stdout, like uvicorn's. Progress bars are tqdm's: "\\r" + bar for every
+update (several a second), one "\\n" when the bar completes, nothing else in between.
 
-    SUPERVISORD_GPU_STANDIN_STARTUP_S   seconds of "loading" before ready (float, default 3.0)
+Start-up, in order (the port is closed, connection refused, until step 6):
+ 1. ipc endpoints: three names from tempfile.NamedTemporaryFile(delete=False) (TMPDIR is
+    honoured), each replaced by a bound AF_UNIX socket at that path, as zmq's ipc:// bind does.
+ 2. Children, forked (no exec) from the main thread: one scheduler per TP rank (at most 8) and
+    one detokenizer, in the stand-in's session and process group. Each calls
+    prctl(PR_SET_PDEATHSIG, SIGKILL) right after the fork and exits if its parent is already
+    gone; comm `sglang::scheduler` (TP1) or `sglang::scheduler_TP<r>`, `sglang::detokenizer`
+    (15 bytes of it). Each scheduler creates and maps /dev/shm/sgl_shm_<16 hex> and, with
+    TP > 1, /dev/shm/nccl-<6 alnum>, and holds the simulated GPU memory (checks/simgpu.py).
+    A watchdog thread (SGLang's SubprocessWatchdog) polls the children every 1 s.
+    PD prefill: the bootstrap port is bound now, in a thread; a failure is only logged.
+ 3. Loading, SUPERVISORD_GPU_STANDIN_STARTUP_S seconds: "Load weight begin" and a
+    "Loading safetensors checkpoint shards" bar (52 %), "Load weight end", "KV Cache is
+    allocated", "Memory pool end" (5 %), "Capture target decode CUDA graph begin", a
+    "Capturing batches (bs=... avail_mem=... GB)" bar (37 %), "Capture ... end", then
+    "max_total_num_tokens=..." (after capture, TP0 only). With STARTUP_S=600 that is minutes
+    of "\\r" updates and no "\\n".
+ 4. DeepGEMM JIT: a cache key of (model path, tp size, SGLang version); the kernels are cached
+    if `standin-<key>` exists in both the DeepGEMM cache ($SGLANG_DG_CACHE_DIR, else
+    $SGLANG_CACHE_DIR/deep_gemm, else ~/.cache/deep_gemm) and the Triton cache
+    ($TRITON_CACHE_DIR, else ~/.triton/cache). Hit: "DeepGEMM JIT: using cached kernels
+    (<path>)". Miss: "DeepGEMM JIT warmup: compiling kernels, which may take a long time
+    (typically 10-20 mins)", a "DeepGEMM warmup" bar for SUPERVISORD_GPU_STANDIN_JIT_S
+    seconds, then both markers are written (an unwritable cache: a warning line, and it
+    compiles again next time).
+ 5. SUPERVISORD_GPU_STANDIN_SILENT_S seconds of no output at all (a JIT that looks hung).
+ 6. The HTTP port is bound. Busy (EADDRINUSE): uvicorn's "ERROR:    [Errno 98] error while
+    attempting to bind on address ('HOST', PORT): address already in use"; the warm-up still
+    runs against whoever holds host:port (short timeouts) and prints "The server is fired up
+    and ready to roll!" if that answered 200; then the children are SIGKILLed and it exits 3
+    (its files left behind). It never moves to another port.
+ 7. Warm-up (thread), unless --skip-server-warmup: 1 s, then GET /model_info (every 1 s, up to
+    120 tries), then one POST /generate (8 tokens); failure: "Initialization failed. warmup
+    error: ..." and the crash path's self-SIGKILL. Then "The server is fired up and ready to
+    roll!" (PD: also after a failed warm-up).
+
+Endpoints. /v1/models, /model_info, /server_info (+ "stand_in_files": its ipc and shm paths,
+"scheduler_pids": every child's pid) answer 200 as soon as HTTP is up; /generate is served
+from then on, also while draining. /health = /health_generate: 503 at once while starting
+(warm-up not done) or draining; else SGLang's loop: sleep 1 s, then 200 if a response came
+from the "scheduler" since the probe began -- at once when idle, else when the first of the
+/generate requests in flight at that moment completes (the next batch boundary) -- else sleep
+another 1 s, ...; so it answers at a whole number of seconds, >= 1. After
+SGLANG_HEALTH_CHECK_TIMEOUT (default 20) s: 503, "Health check failed. ...", status
+UnHealthy. SUPERVISORD_GPU_STANDIN_HEALTH_STALL=SECONDS:DURATION: for DURATION s after
+becoming ready, the scheduler answers a probe only after SECONDS (200 at the first whole second
+>= SECONDS, or 503 at the timeout when SECONDS >= it). SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0:
+/health (not /health_generate) answers from the status at once. /ready: 200 iff warm-up done and
+not draining, instant. /metrics with --enable-metrics (sglang:num_running_reqs = requests in
+flight, sglang:num_queue_reqs 0).
+
+Signals and the drain. SIGTERM's handler is installed lazily, by the first /generate (normally
+the warm-up's); before that SIGTERM has its default action: dead at once by signal 15, the
+children by PDEATHSIG, files left behind. The children keep SIGTERM's default action: a
+SIGTERM to the whole process group kills the schedulers at once, and the watchdog then takes
+the main process down its crash path. SIGINT keeps its default action (dies by signal 2).
+After it: "SIGTERM received. signum=None frame=None. Draining requests and shutting down...",
+/health and /ready 503, /generate still accepted and served, the listener open. SGLang's
+sigterm watchdog wakes every SUPERVISORD_GPU_STANDIN_DRAIN_POLL_S (default 5.0) s on a clock
+started when the handler was installed (see DRAIN_CLOCK), and at each wake-up after SIGTERM
+logs "Gracefully exiting... Remaining number of requests N. ..." and goes on only when N is 0:
+under steady traffic, never. SGL_FORCE_SHUTDOWN=1 or status UnHealthy: it goes on at the first
+wake-up regardless. Then: schedulers told to exit, up to 15 s, SIGKILL for stragglers,
+"Gracefully exiting... all schedulers stopped.", its /dev/shm and ipc files removed, exit 0.
+
+Crash path: a child found dead by the watchdog ("Subprocess scheduler_0 (pid=N) crashed with
+exit code -9") or an injected scheduler exception ("Scheduler hit an exception: Traceback
+..."), then "Received sigquit from a child process. It usually means the child failed.",
+SIGKILL to every child, SIGKILL to itself: it ends "killed by signal 9", leaving its files.
+With SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=1, a scheduler exception SIGKILLs the whole process
+group instead (os.killpg(0)): whatever group the stand-in was started in. Genuine start-up
+failures it imitates (missing --model-path, invalid device ordinal, CUDA out of memory on the
+simulated GPUs) stop the children gracefully, remove the files and exit 1.
+
+Stand-in-only settings (environment):
+
+    SUPERVISORD_GPU_STANDIN_STARTUP_S   seconds of loading, port closed (float, default 3.0)
     SUPERVISORD_GPU_STANDIN_MIB         MiB held per GPU once loaded (default 100000)
     SUPERVISORD_GPU_SIMGPU_DIR          simulated GPU directory (checks/simgpu.py); unset:
                                         hold no GPU memory and check nothing
     SUPERVISORD_GPU_STANDIN_FAULT       one fault to inject (see `Fault`):
-        crash-on-start                  exit 1 half-way through start-up
-        never-ready                     /health 503 forever
-        crash-after-ready:SECONDS       exit 1 that long after becoming ready
-        hang-on-term                    log SIGTERM, then ignore it; /health stops answering
-        exit-on-term-slow:SECONDS       graceful SIGTERM path that takes SECONDS to exit
+        crash-on-start                  scheduler exception half-way through the weights: crash path
+        never-ready                     the warm-up never completes: /health and /ready 503 forever
+                                        (its /generate was answered: SIGTERM drains and exits 0)
+        crash-after-ready:SECONDS       scheduler exception SECONDS after the first 200 answered on
+                                        /health or /ready (what a prober sees as ready; if none
+                                        comes, SECONDS + SGLANG_HEALTH_CHECK_TIMEOUT after the
+                                        warm-up, so that a /health in flight is answered first)
+        hang-on-term                    from the start, SIGTERM is logged and then ignored; the
+                                        process never exits and /health stops answering
+        exit-on-term-slow:SECONDS       from the start, SIGTERM takes the graceful path, exiting 0
+                                        no earlier than SECONDS after it
     SUPERVISORD_GPU_STANDIN_READY_FILE  append time.time() when /health first answers 200
-    SUPERVISORD_GPU_STANDIN_READY_AT_FILE  append time.time() when it becomes able to answer 200
+    SUPERVISORD_GPU_STANDIN_READY_AT_FILE  append time.time() when the warm-up is done
     SUPERVISORD_GPU_STANDIN_TOKEN_S     seconds per generated token in /generate (default 0)
     SUPERVISORD_GPU_STANDIN_TORCH_MIB   on a real GPU: each scheduler also allocates this many
                                         MiB with torch on its GPU (device machine only)
+    SUPERVISORD_GPU_STANDIN_SILENT_S    seconds of no output before the port opens (default 0)
+    SUPERVISORD_GPU_STANDIN_JIT_S       seconds of DeepGEMM JIT on a cache miss (default 0)
+    SUPERVISORD_GPU_STANDIN_HEALTH_STALL  SECONDS:DURATION, see /health above
+    SUPERVISORD_GPU_STANDIN_DRAIN_POLL_S  the drain watchdog's period (default 5.0, SGLang's)
+    SUPERVISORD_GPU_STANDIN_SCHEDULERS  children (default) | detached: schedulers double-fork
+                                        into their own session and are re-parented to PID 1
+                                        (or the nearest subreaper), no PDEATHSIG: the crash path
+                                        and a SIGKILL of the main process leave them alive,
+                                        holding memory (upstream issue 23627); a graceful stop
+                                        still stops them. Their output goes to /dev/null.
 
-GPUs used: CUDA_VISIBLE_DEVICES (physical indices or simulated UUIDs, as the supervisor
-sets it) indexed from --base-gpu-id, else range(base_gpu_id, base_gpu_id + tp*dp*pp).
-With a simulated GPU directory the stand-in also fails like SGLang would: a GPU index that
-does not exist is "invalid device ordinal", and too little free memory on a GPU (others'
-live holdings) is a CUDA out-of-memory crash at "Load weight". Those genuine failures stop
-the schedulers before exiting 1; injected crash faults do not (see above).
+GPUs used: CUDA_VISIBLE_DEVICES (physical indices or simulated UUIDs, as the supervisor sets
+it) indexed from --base-gpu-id, else range(base_gpu_id, base_gpu_id + tp*dp*pp). With a
+simulated GPU directory a GPU index that does not exist is "invalid device ordinal", and too
+little free memory on a GPU (others' live holdings) is a CUDA out-of-memory failure at
+"Load weight begin".
+
+Not imitated: the random NCCL port (22000-29999), dp-attention's extra ports, /server_info
+asking a busy scheduler, SIGBUS from accumulated /dev/shm leftovers.
 
 Everything is standard library plus psutil (through simgpu), so a start costs tens of
-milliseconds and ~20 MB: tests run up to 64 of these on a 2-core machine.
+milliseconds and ~20 MB per process: tests run dozens of these on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -53,25 +143,27 @@ import argparse
 import json
 import os
 import random
+import select
 import signal
+import socket
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from supervisord_gpu.rehearsal._http import (
     JSONHandler,
-    SignalLatch,
     StandinHTTPServer,
-    bind_or_exit,
-    log,
+    fetch,
+    log as _log_line,
     serve_in_thread,
     set_process_name,
+    write_raw,
 )
-
-SGLANG_VERSION = "0.5.23"
+from supervisord_gpu.sglang.options import SGLANG_VERSION, parse_args
 
 ENV_STARTUP_S = "SUPERVISORD_GPU_STANDIN_STARTUP_S"
 ENV_MIB = "SUPERVISORD_GPU_STANDIN_MIB"
@@ -81,241 +173,55 @@ ENV_READY_FILE = "SUPERVISORD_GPU_STANDIN_READY_FILE"
 ENV_READY_AT_FILE = "SUPERVISORD_GPU_STANDIN_READY_AT_FILE"
 ENV_TOKEN_S = "SUPERVISORD_GPU_STANDIN_TOKEN_S"
 ENV_TORCH_MIB = "SUPERVISORD_GPU_STANDIN_TORCH_MIB"
+ENV_SILENT_S = "SUPERVISORD_GPU_STANDIN_SILENT_S"
+ENV_JIT_S = "SUPERVISORD_GPU_STANDIN_JIT_S"
+ENV_HEALTH_STALL = "SUPERVISORD_GPU_STANDIN_HEALTH_STALL"
+ENV_DRAIN_POLL_S = "SUPERVISORD_GPU_STANDIN_DRAIN_POLL_S"
+ENV_SCHEDULERS = "SUPERVISORD_GPU_STANDIN_SCHEDULERS"
+# SGLang's own variables that the stand-in honours
+ENV_HEALTH_TIMEOUT = "SGLANG_HEALTH_CHECK_TIMEOUT"
+ENV_KILLPG = "SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION"
+ENV_FORCE_SHUTDOWN = "SGL_FORCE_SHUTDOWN"
+ENV_HEALTH_GENERATION = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
 
 DEFAULT_STARTUP_S = 3.0
 DEFAULT_MIB = 100000
 FAULT_KINDS = ("crash-on-start", "hang-on-term", "never-ready", "crash-after-ready", "exit-on-term-slow")
+SCHEDULER_MODES = ("children", "detached")
 MAX_SCHEDULERS = 8
-SCHEDULER_STOP_WAIT_S = 15.0  # like SGLang: tell schedulers to exit, wait 15 s, SIGKILL stragglers
-FLAGS_FILE = "sglang-0.5.23-flags.txt"
 
-# --- How each option parses -------------------------------------------------------------
-# The option names come from data/sglang-0.5.23-flags.txt (a copy of the reference list).
-# A name list alone cannot say which options take no value, so these tables were read from
-# SGLang 0.5.23's own parser (its arg_groups field declarations, built with argparse).
-# Everything not listed below takes exactly one value.
+# SGLang's clocks (sglang-server.md; supervisord_gpu/sglang/timing.py has the same numbers)
+SCHEDULER_STOP_WAIT_S = 15.0  # graceful stop: tell schedulers to exit, wait this long, SIGKILL stragglers
+DEFAULT_DRAIN_POLL_S = 5.0  # tokenizer_manager.sigterm_watchdog: `await asyncio.sleep(5)`
+DEFAULT_HEALTH_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
+HEALTH_POLL_S = 1.0  # /health sleeps this long before each look
+WATCHDOG_POLL_S = 1.0  # SubprocessWatchdog
+WARMUP_FIRST_SLEEP_S = 1.0  # _execute_server_warmup sleeps 1 s before each GET /model_info
+WARMUP_TRIES = 120
+WARMUP_GET_TIMEOUT_S = 5.0
+WARMUP_GENERATE_TIMEOUT_S = 600.0  # PD: 1800
+BUSY_PORT_WARMUP_TRIES = 3  # the busy-port warm-up uses short timeouts (a stranger may never answer)
+BUSY_PORT_TIMEOUT_S = 2.0
 
-# store_true (and the deprecated store-true spellings): no value.
-_ZERO_ARG = frozenset("--" + n for n in """
-abort-on-priority-when-disabled allow-auto-truncate checkpoint-engine-wait-weights-before-ready
-constrained-json-disable-any-whitespace debug-cuda-graph delete-ckpt-after-loading
-disable-aiter-allreduce-fusion-in-decode disable-aiter-allreduce-fusion-in-prefill
-disable-attn-tp-gather disable-chunked-prefix-cache disable-cuda-graph disable-cuda-graph-padding
-disable-custom-all-reduce disable-decode-cuda-graph disable-fast-image-processor
-disable-flashinfer-autotune disable-flashinfer-cutlass-moe-fp4-allgather disable-hybrid-swa-memory
-disable-outlines-disk-cache disable-overlap-schedule disable-prefill-cuda-graph
-disable-priority-preemption disable-radix-cache disable-shared-experts-fusion
-disable-tokenizer-batch-decode disaggregation-decode-enable-offload-kvcache
-disaggregation-decode-enable-radix-cache disaggregation-enable-kv-checksum
-enable-adaptive-dispatch-to-encoder enable-aiter-allreduce-fusion enable-amd-monokernel
-enable-attn-tp-input-scattered enable-broadcast-mm-inputs-process enable-cache-report
-enable-cp-decode-attn-tp enable-cudagraph-gc enable-custom-logit-processor
-enable-deepseek-v4-fp4-indexer enable-dense-mlp-attn-tp enable-deterministic-inference
-enable-dp-attention enable-dp-attention-local-control-broadcast enable-dp-lm-head
-enable-draft-weights-cpu-backup enable-dsa-cache-layer-split enable-dynamic-batch-tokenizer
-enable-dynamic-chunking enable-elastic-expert-backup enable-encoder-swa-bounded-replay enable-eplb
-enable-flashinfer-allreduce-fusion enable-flexkv enable-forward-pass-metrics enable-fp32-lm-head
-enable-fused-moe-sum-all-reduce enable-hierarchical-cache enable-hisparse
-enable-http-worker-reuseport enable-http2 enable-int8-mamba-checkpoint enable-kv-cache-sharding
-enable-layernorm-sp enable-layerwise-nvtx-marker enable-lean-attention enable-linear-replayssm
-enable-linear-replayssm-spec enable-linker-mla-dedup enable-lmcache enable-lora
-enable-lora-overlap-loading enable-mamba-cache-stochastic-rounding enable-megamoe-for-layernorm-sp
-enable-memory-saver enable-metrics enable-metrics-for-all-schedulers enable-mfu-metrics enable-mis
-enable-mixed-chunk enable-mm-global-cache enable-mscclpp enable-multi-layer-eagle enable-multimodal
-enable-nccl-nvls enable-nvidia-megakernel enable-p2p-check enable-page-major-kv-layout
-enable-paged-experts enable-pd-role-switch enable-pdmux enable-precise-embedding-interpolation
-enable-prefill-cp enable-prefill-delayer enable-prefix-mm-cache enable-priority-scheduling
-enable-profile-cuda-graph enable-quant-communications enable-request-time-stats-logging
-enable-response-store enable-return-aux-hidden-states enable-return-hidden-states
-enable-return-indexer-topk enable-return-routed-experts enable-scattered-sconv
-enable-session-radix-cache enable-shared-experts-attn-tp enable-single-batch-overlap
-enable-ssl-refresh enable-streaming-session enable-strict-thinking enable-symm-mem
-enable-tokenizer-batch-encode enable-torch-compile enable-torch-compile-debug-mode
-enable-torch-symm-mem enable-trace enable-two-batch-overlap enable-unified-cache-external-linker
-enable-unified-memory enable-w4a4-mxfp4-megamoe enable-waterfill enable-watermark
-enable-weights-cpu-backup encoder-only enforce-disable-flashinfer-allreduce-fusion
-enforce-shared-experts-fusion export-metrics-to-file flashinfer-mla-disable-ragged grpc-mode
-incremental-streaming-output is-embedding language-model-only language-only log-requests
-lora-use-virtual-experts mlx-enable-sampling pre-warm-nccl prefill-only-disable-kv-cache
-quantize-and-serve remote-instance-weight-loader-start-seed-via-transfer-engine return-input-ids
-return-output-ids schedule-low-priority-values-first show-time-cost skip-server-warmup
-skip-tokenizer-init sleep-on-idle smg-grpc-mode speculative-adaptive
-speculative-dspark-align-verify-tokens-to-graph-tier speculative-use-block-verification
-speculative-use-rejection-sampling stream-response-default-include-usage strip-thinking-cache
-triton-attention-reduce-in-fp32 trust-mm-content-hashes trust-remote-code
-trust-request-chat-template use-ray weight-loader-disable-mmap weight-loader-drop-cache-after-load
-weight-loader-prefetch-checkpoints
-""".split())
+# When the drain watchdog looks for "no requests left" after SIGTERM. SGLang's sigterm_watchdog
+# is `while not gracefully_exit: await asyncio.sleep(5)` started with the handler (the first
+# /generate), then checks at once and every 5 s: the first check comes 0-5 s after SIGTERM.
+#   "clock":     ticks at handler-install + k * period (SGLang's)
+#   "sigterm":   first check one period after SIGTERM, then every period
+#   "immediate": first check at SIGTERM, then every period
+DRAIN_CLOCK = "clock"
 
-# argparse.BooleanOptionalAction: --X and --no-X, no value.
-_NEGATABLE = frozenset("--" + n for n in """
-dcp-replicate-q-proj dllm-fdfo enable-decoder-swa-bounded-replay enable-dsa-fused-indexer
-enable-fused-qk-norm-rope enable-tf32-matmul enable-tp-lm-head-all-to-all experts-shared-outer-loras
-lora-strict-loading mm-enable-dp-encoder ple-offload-embedding speculative-enable-w4a4-mxfp4-megamoe
-""".split())
+# Share of STARTUP_S for each loading phase (the rest is short steps between them).
+WEIGHTS_SHARE = 0.52
+KV_SHARE = 0.05
+GRAPHS_SHARE = 0.37
+PROGRESS_HZ = 4.0  # tqdm updates per second during a bar
+GRAPH_BATCH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128,
+                     136, 144, 152, 160, 168, 176, 184, 192, 200, 208, 216, 224, 232, 240, 248, 256]
 
-# List-valued options.
-_MULTI_ARG: dict[str, str] = {
-    "--allowed-media-domains": "+", "--bucket-e2e-request-latency": "+",
-    "--bucket-inter-token-latency": "+", "--bucket-time-to-first-token": "+",
-    "--cuda-graph-bs-decode": "+", "--cuda-graph-bs-prefill": "+", "--custom-weight-loader": "*",
-    "--debug-tensor-dump-layers": "+", "--encoder-register-urls": "+", "--encoder-urls": "+",
-    "--flashinfer-autotune-skip-ops": "+", "--gc-threshold": "+", "--generation-tokens-buckets": "+",
-    "--log-requests-target": "+", "--lora-paths": "*", "--lora-target-modules": "*",
-    "--model-checksum": "?", "--numa-node": "+", "--prefill-delayer-forward-passes-buckets": "+",
-    "--prefill-delayer-wait-seconds-buckets": "+", "--prompt-tokens-buckets": "+",
-    "--return-aux-hidden-state-layer-ids": "+", "--tokenizer-metrics-allowed-custom-labels": "+",
-    "--uvicorn-access-log-exclude-prefixes": "*",
-}
-
-# Second spellings of the same option (not in the reference list, accepted by SGLang).
-_ALIASES: dict[str, tuple[str, ...]] = {
-    "--model-path": ("--model",),
-    "--tp-size": ("--tensor-parallel-size",),
-    "--dp-size": ("--data-parallel-size",),
-    "--pp-size": ("--pipeline-parallel-size",),
-    "--ep-size": ("--expert-parallel-size", "--ep"),
-    "--dcp-size": ("--decode-context-parallel-size",),
-    "--attn-dp-size": ("--attention-data-parallel-size",),
-    "--attn-cp-size": ("--attention-context-parallel-size",),
-    "--moe-dp-size": ("--moe-data-parallel-size",),
-    "--dist-init-addr": ("--nccl-init-addr",),
-    "--enable-hierarchical-cache": ("--enable-hicache",),
-    "--hisparse-config": ("--hierarchical-sparse-attention-extra-config",),
-    "--cuda-graph-prefill-max-context": ("--context-bucket",),
-    "--smg-http-sidecar-port": ("--grpc-http-sidecar-port",),
-    "--speculative-draft-model-path": ("--speculative-draft-model",),
-}
-
-# Real 0.5.23 options missing from the reference list (hidden from --help there).
-_EXTRA_OPTIONS = ("--forward-pass-metrics-ipc-name", "--forward-pass-metrics-worker-id")
-
-
-def human_readable_int(value: str) -> int:
-    """SGLang's integer parser: SI suffixes (512k = 512000), IEC suffixes (512Ki = 524288)."""
-    import re
-    from decimal import Decimal
-
-    value = value.strip()
-    si = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-    iec = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)", value)
-    if m:
-        number, suffix = m.groups()
-        if suffix in iec:
-            if "." in number:
-                raise argparse.ArgumentTypeError(f"Decimals are not allowed with IEC suffixes like '{suffix}'.")
-            return int(number) * iec[suffix]
-        return int(Decimal(number) * si[suffix])
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"Invalid integer value: '{value}'. Use a plain integer, SI suffixes (1k, 1M), "
-            "or IEC suffixes (1Ki, 1Mi). Suffixes are case-sensitive."
-        ) from None
-
-
-# Types, choices and defaults of the options the stand-in reads; the rest stay strings
-# (default None, or False for the no-value ones), which is all a stand-in needs.
-_TYPES: dict[str, Any] = {
-    "--port": int, "--tp-size": int, "--dp-size": int, "--pp-size": int, "--ep-size": int,
-    "--base-gpu-id": int, "--gpu-id-step": int, "--disaggregation-bootstrap-port": int,
-    "--nnodes": int, "--node-rank": int, "--nccl-port": int, "--random-seed": int,
-    "--context-length": human_readable_int, "--max-prefill-tokens": human_readable_int,
-    "--chunked-prefill-size": human_readable_int, "--max-total-tokens": human_readable_int,
-    "--max-running-requests": int, "--mem-fraction-static": float, "--watchdog-timeout": float,
-    "--attn-dp-size": int, "--page-size": int, "--cuda-graph-max-bs-decode": int,
-    "--cuda-graph-max-bs-prefill": int,
-}
-_CHOICES: dict[str, list[str]] = {
-    "--disaggregation-mode": ["null", "prefill", "decode"],
-    "--disaggregation-transfer-backend": ["mooncake", "nixl", "ascend", "fake", "mori", "mooncake_tcp"],
-    "--dtype": ["auto", "half", "float16", "bfloat16", "float", "float32"],
-    "--kv-cache-dtype": ["auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4", "fp4_mx_block16"],
-    "--monokernel-backend": ["amd"],
-}
-_DEFAULTS: dict[str, Any] = {
-    "--host": "127.0.0.1", "--port": 30000, "--tp-size": 1, "--dp-size": 1, "--pp-size": 1,
-    "--ep-size": 1, "--attn-dp-size": 1, "--base-gpu-id": 0, "--gpu-id-step": 1, "--nnodes": 1,
-    "--node-rank": 0, "--disaggregation-mode": "null", "--disaggregation-bootstrap-port": 8998,
-    "--disaggregation-transfer-backend": "mooncake", "--log-level": "info", "--watchdog-timeout": 300,
-    "--dtype": "auto", "--kv-cache-dtype": "auto", "--load-format": "auto",
-    "--max-prefill-tokens": 16384, "--load-balance-method": "auto", "--schedule-policy": "fcfs",
-    "--weight-version": "default", "--tokenizer-mode": "auto", "--encoder-bootstrap-port": 8997,
-    "--engine-info-bootstrap-port": 6789,
-}
-
-
-def reference_options() -> list[str]:
-    """SGLang 0.5.23's option names, from the packaged copy of the reference list.
-
-    A path relative to the package (installed as package data) rather than
-    importlib.resources, which alone costs ~10 ms of start-up.
-    """
-    text = (Path(__file__).resolve().parent.parent / "data" / FLAGS_FILE).read_text()
-    return [line.strip() for line in text.splitlines() if line.strip().startswith("--")]
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with full names only, plus SGLang's "ambiguous option" message.
-
-    allow_abbrev=False rejects `--tp 4` (real 0.5.23 would take it as --tp-size 4: a
-    profile must spell options in full). A prefix of several options, such as the removed
-    `--cuda-graph-max-bs`, gets the message the real parser prints for it.
-    """
-
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
-        argv = list(sys.argv[1:] if args is None else args)
-        known = self._option_string_actions
-        for token in argv:
-            if token == "--":
-                break
-            if not token.startswith("--"):
-                continue
-            name = token.split("=", 1)[0]
-            if name in known:
-                continue
-            matches = sorted(o for o in known if o.startswith(name))
-            if len(matches) > 1:
-                self.error(f"ambiguous option: {name} could match {', '.join(matches)}")
-        return super().parse_known_args(argv, namespace)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """SGLang 0.5.23's command line, as far as names and value counts go."""
-    parser = _Parser(
-        prog="launch_server.py",
-        usage="%(prog)s [-h] --model-path MODEL_PATH [options]  (SGLang 0.5.23 stand-in)",
-        allow_abbrev=False,
-        description="Stand-in for `python -m sglang.launch_server` (supervisord-gpu rehearsal).",
-    )
-    names = reference_options()
-    for extra in _EXTRA_OPTIONS:
-        if extra not in names:
-            names.append(extra)
-    for name in names:
-        spellings = [name, *_ALIASES.get(name, ())]
-        dest = name[2:].replace("-", "_")
-        if name in _NEGATABLE:
-            parser.add_argument(*spellings, dest=dest, action=argparse.BooleanOptionalAction, default=None)
-        elif name in _ZERO_ARG:
-            parser.add_argument(*spellings, dest=dest, action="store_true", default=False)
-        else:
-            kwargs: dict[str, Any] = {"dest": dest, "default": _DEFAULTS.get(name)}
-            if name in _MULTI_ARG:
-                kwargs["nargs"] = _MULTI_ARG[name]
-            if name in _TYPES:
-                kwargs["type"] = _TYPES[name]
-            if name in _CHOICES:
-                kwargs["choices"] = _CHOICES[name]
-            parser.add_argument(*spellings, **kwargs)
-    return parser
-
-
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """Parse like SGLang: exits 2 with argparse's message on a bad command line."""
-    return build_parser().parse_args(list(argv))
+LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
+INFO, WARNING, ERROR = 20, 30, 40
+SCHEDULER_SRC = "/usr/local/lib/python3.12/dist-packages/sglang/srt/managers/scheduler.py"
 
 
 # --- Stand-in settings (environment) ----------------------------------------------------
@@ -341,6 +247,19 @@ class Fault:
         return cls(kind, float(arg) if arg else 0.0)
 
 
+def _parse_stall(text: str | None) -> tuple[float, float] | None:
+    if not text:
+        return None
+    seconds, sep, duration = text.partition(":")
+    if not sep:
+        raise ValueError(f"{ENV_HEALTH_STALL} must be SECONDS:DURATION, not {text!r}")
+    return float(seconds), float(duration)
+
+
+def _flag(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
 @dataclass(frozen=True)
 class Settings:
     """What the environment tells the stand-in (the command line stays SGLang's)."""
@@ -350,20 +269,48 @@ class Settings:
     simgpu_dir: str | None = None
     fault: Fault | None = None
     ready_file: str | None = None
+    ready_at_file: str | None = None
+    token_s: float = 0.0
+    silent_s: float = 0.0
+    jit_s: float = 0.0
+    health_stall: tuple[float, float] | None = None
+    drain_poll_s: float = DEFAULT_DRAIN_POLL_S
+    schedulers: str = "children"
+    health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S
+    killpg_on_exception: bool = False
+    force_shutdown: bool = False
+    health_generation: bool = True
 
     @classmethod
     def from_env(cls, env: dict[str, str] | os._Environ[str]) -> "Settings":
+        mode = (env.get(ENV_SCHEDULERS) or "children").strip()
+        if mode not in SCHEDULER_MODES:
+            raise ValueError(f"{ENV_SCHEDULERS} must be one of {', '.join(SCHEDULER_MODES)}, not {mode!r}")
+        poll = float(env.get(ENV_DRAIN_POLL_S) or DEFAULT_DRAIN_POLL_S)
+        if poll <= 0:
+            raise ValueError(f"{ENV_DRAIN_POLL_S} must be > 0")
         return cls(
             startup_s=float(env.get(ENV_STARTUP_S) or DEFAULT_STARTUP_S),
             mib=int(float(env.get(ENV_MIB) or DEFAULT_MIB)),
             simgpu_dir=env.get(ENV_SIMGPU_DIR) or None,
             fault=Fault.parse(env.get(ENV_FAULT)),
             ready_file=env.get(ENV_READY_FILE) or None,
+            ready_at_file=env.get(ENV_READY_AT_FILE) or None,
+            token_s=float(env.get(ENV_TOKEN_S) or 0.0),
+            silent_s=float(env.get(ENV_SILENT_S) or 0.0),
+            jit_s=float(env.get(ENV_JIT_S) or 0.0),
+            health_stall=_parse_stall(env.get(ENV_HEALTH_STALL)),
+            drain_poll_s=poll,
+            schedulers=mode,
+            health_timeout_s=float(env.get(ENV_HEALTH_TIMEOUT) or DEFAULT_HEALTH_TIMEOUT_S),
+            killpg_on_exception=_flag(env.get(ENV_KILLPG)),
+            force_shutdown=_flag(env.get(ENV_FORCE_SHUTDOWN)),
+            health_generation=(env.get(ENV_HEALTH_GENERATION) or "1").strip().lower() not in ("0", "false", "no"),
         )
 
 
 class StartupError(Exception):
-    """A failure SGLang would also hit (bad device, out of memory): exit 1, schedulers stopped."""
+    """A failure SGLang would also hit (bad device, out of memory): exit 1, children stopped."""
 
 
 def resolve_gpus(args: argparse.Namespace, env: dict[str, str] | os._Environ[str],
@@ -402,18 +349,130 @@ def resolve_gpus(args: argparse.Namespace, env: dict[str, str] | os._Environ[str
     return [visible[i] for i in logical]
 
 
-# --- Detached schedulers ----------------------------------------------------------------
+def cache_key(model_path: str, tp_size: int) -> str:
+    """What the stand-in's "compiled kernels" depend on: model, TP size, SGLang version."""
+    import hashlib
+
+    return hashlib.sha256(f"{model_path}\0{tp_size}\0{SGLANG_VERSION}".encode()).hexdigest()[:16]
+
+
+def cache_dirs(env: dict[str, str] | os._Environ[str]) -> list[Path]:
+    """DeepGEMM's and Triton's cache directories, as SGLang 0.5.23 resolves them."""
+    home = Path(env.get("HOME") or os.path.expanduser("~"))
+    dg = env.get("SGLANG_DG_CACHE_DIR")
+    if not dg:
+        dg = str(Path(env["SGLANG_CACHE_DIR"]) / "deep_gemm") if env.get("SGLANG_CACHE_DIR") else str(
+            home / ".cache" / "deep_gemm")
+    triton = env.get("TRITON_CACHE_DIR") or str(home / ".triton" / "cache")
+    return [Path(dg), Path(triton)]
+
+
+# --- tqdm, as SGLang's bars print it -----------------------------------------------------
+
+
+def _fmt_interval(seconds: float) -> str:
+    mins, s = divmod(int(seconds), 60)
+    h, m = divmod(mins, 60)
+    return f"{h:d}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+class Bar:
+    """A tqdm progress bar on stderr: "\\r" + text per update, "\\n" at close.
+
+    `style` "shards" is SGLang's weight-loading format ("{desc}: {percentage:3.0f}% Completed |
+    {n}/{total} [...]"), "bar" tqdm's default ("{desc}: {percentage:3.0f}%|{bar}| {n}/{total}
+    [...]", 10 characters of bar when the output is not a terminal).
+    """
+
+    BLOCKS = " ▏▎▍▌▋▊▉█"
+
+    def __init__(self, desc: str, total: int, style: str = "bar") -> None:
+        self.desc, self.total, self.style = desc, max(1, total), style
+        self.n = 0
+        self.t0 = time.monotonic()
+        self.last_len = 0
+        self._show()
+
+    def _text(self) -> str:
+        elapsed = time.monotonic() - self.t0
+        frac = self.n / self.total
+        rate = self.n / elapsed if elapsed > 0 and self.n else 0.0
+        if not rate:
+            rate_fmt, remaining = "?it/s", "?"
+        else:
+            rate_fmt = f"{rate:5.2f}it/s" if rate >= 1 else f"{1 / rate:5.2f}s/it"
+            remaining = _fmt_interval((self.total - self.n) / rate)
+        tail = f"{self.n}/{self.total} [{_fmt_interval(elapsed)}<{remaining}, {rate_fmt}]"
+        if self.style == "shards":
+            return f"{self.desc}: {frac * 100:3.0f}% Completed | {tail}"
+        eighths = int(frac * 10 * 8)
+        full, part = divmod(eighths, 8)
+        bar = "█" * full + (self.BLOCKS[part] if full < 10 and part else "")
+        return f"{self.desc}: {frac * 100:3.0f}%|{bar:<10}| {tail}"
+
+    def _show(self) -> None:
+        text = self._text()
+        write_raw("\r" + text + " " * max(0, self.last_len - len(text)))
+        self.last_len = len(text)
+
+    def update(self, n: int = 1, desc: str | None = None) -> None:
+        self.n = min(self.total, self.n + n)
+        if desc is not None:
+            self.desc = desc
+        self._show()
+
+    def close(self) -> None:
+        write_raw("\n")
+
+
+# --- Children: schedulers and the detokenizer -------------------------------------------
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _arm_pdeathsig() -> None:
+    """prctl(PR_SET_PDEATHSIG, SIGKILL), as each SGLang child does (kill_itself_when_parent_died)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
 @dataclass
-class Scheduler:
-    """A detached scheduler: its pid (not our child), our end of its pipe, its GPUs."""
+class Child:
+    """A scheduler or the detokenizer: pid, our end of its command pipe, what it holds."""
 
+    label: str  # "scheduler_0", "detokenizer": the name SGLang's watchdog reports
     rank: int
     pid: int
     wfd: int
     gpus: list[int] = field(default_factory=list)
-    ack_fd: int = -1  # readable once its real GPU memory (torch mode) is allocated
+    shm: list[str] = field(default_factory=list)
+    ack_fd: int = -1  # readable once the child's real GPU memory (torch mode) is allocated
+    detached: bool = False
+    exit_code: int | None = None
+    reaped: bool = False
+
+    def poll(self) -> bool:
+        """True when it has died; then exit_code is SGLang's (negative: killed by that signal)."""
+        if self.reaped:
+            return True
+        if self.detached:
+            if _pid_gone(self.pid):
+                self.reaped = True
+                return True
+            return False
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            self.reaped = True
+            return True
+        if pid == 0:
+            return False
+        self.reaped = True
+        self.exit_code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        return True
 
 
 def _hold_real_gpu_memory(rank: int) -> object | None:
@@ -433,85 +492,127 @@ def _hold_real_gpu_memory(rank: int) -> object | None:
     return buf
 
 
-def _scheduler_process(rfd: int, name: str, rank: int = 0, ack_w: int = -1) -> NoReturn:
-    """Body of a detached stand-in scheduler: sleep until told to exit.
+def _map_shm(path: str) -> tuple[int, Any]:
+    """Create and map a small /dev/shm segment (what SGLang's and NCCL's shared memory look like)."""
+    import mmap
 
-    It stands in for `sglang::scheduler_TP<n>` and is deliberately cheap: a forked copy
-    of the parent (no exec, no new imports) that blocks on a pipe. A b"q" on the pipe is
-    the graceful stop; end-of-file without it means the main process died abruptly, and
-    then it stays alive on purpose, like the schedulers that escape upstream.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(fd, 4096)
+    return fd, mmap.mmap(fd, 4096)
+
+
+def _child_body(rfd: int, ack_w: int, name: str, rank: int, shm: list[str], quiet: bool,
+                hold_gpu: bool) -> NoReturn:
+    """Body of a forked child: map its shm segments, then sleep until told to exit.
+
+    A cheap forked copy of the parent (no exec, no new imports) that blocks on a pipe. A b"q"
+    on the pipe is the graceful stop: it unlinks its segments and exits 0. End-of-file without
+    it means the main process died abruptly: it stays (PDEATHSIG has killed it already unless
+    it is detached, which is the upstream bug a supervisor must survive).
     """
     signal.set_wakeup_fd(-1)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_DFL)
+        signal.signal(sig, signal.SIG_DFL)  # a group-wide SIGTERM kills a scheduler at once, as in SGLang
     set_process_name(name)
-    try:
-        import gc
+    import gc
 
-        gc.disable()  # touch as few copy-on-write pages as possible
+    gc.disable()  # touch as few copy-on-write pages as possible
+    keep = sorted({rfd, ack_w} - {-1})
+    lo = 3
+    for fd in keep:  # drop inherited fds: listeners, ipc sockets, other children's pipes
+        os.closerange(lo, fd)
+        lo = fd + 1
+    os.closerange(lo, 65536)
+    if quiet:  # detached: never keep the log pipe open (a reader would never see EOF)
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
-            os.dup2(devnull, fd)  # never keep the log pipe open: a reader would never see EOF
-        held = _hold_real_gpu_memory(rank)  # noqa: F841  (kept alive until this process dies)
-        if ack_w >= 0:
-            os.write(ack_w, b"1")  # "weights loaded": the main process may go on
-        os.closerange(3, rfd)
-        os.closerange(rfd + 1, 65536)
-        while True:
-            try:
-                data = os.read(rfd, 1)
-            except InterruptedError:
-                continue
-            if data == b"q":
-                os._exit(0)
-            if data == b"":
-                break
-        while True:
-            signal.pause()
-    finally:
-        os._exit(0)
+            os.dup2(devnull, fd)
+        os.close(devnull)
+    mapped = []
+    for path in shm:
+        try:
+            mapped.append(_map_shm(path))
+        except OSError:
+            pass
+    held = _hold_real_gpu_memory(rank) if hold_gpu else None  # noqa: F841  (kept until death)
+    if ack_w >= 0:
+        os.write(ack_w, b"1")  # "weights loaded": the main process may go on
+        os.close(ack_w)
+    while True:
+        try:
+            data = os.read(rfd, 1)
+        except InterruptedError:
+            continue
+        if data == b"q":
+            for path in shm:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+            os._exit(0)
+        if data == b"":
+            break
+    while True:
+        signal.pause()
 
 
-def spawn_scheduler(rank: int, gpus: list[int], name: str) -> Scheduler:
-    """Double-fork a detached scheduler in its own session; return its pid.
+def spawn_child(label: str, title: str, rank: int, gpus: list[int], shm: list[str], detached: bool,
+                hold_gpu: bool) -> Child:
+    """Fork a child (scheduler or detokenizer) and return it once it has armed PDEATHSIG.
 
-    The middle child calls setsid() and forks again, then exits, so the scheduler is
-    re-parented to PID 1 (or the nearest subreaper): tree walks, parent-PID kills and
-    process-group kills of the server do not reach it, only its cgroup does.
+    children mode: a direct child in our session and process group, PR_SET_PDEATHSIG(SIGKILL),
+    getppid() checked afterwards (the parent may have died in between). detached mode (the
+    middle child calls setsid() and forks again, then exits): re-parented to PID 1 or the
+    nearest subreaper; tree walks, parent-death signals and process-group kills miss it.
     """
     rfd, wfd = os.pipe()
-    report_r, report_w = os.pipe()
     ack_r, ack_w = os.pipe()
+    parent = os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()
-    middle = os.fork()
-    if middle == 0:  # middle child
-        try:
-            os.close(wfd)
-            os.close(report_r)
-            os.setsid()
-            grandchild = os.fork()
-            if grandchild == 0:
-                os.close(report_w)
+    if not detached:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _arm_pdeathsig()
+                if os.getppid() != parent:
+                    os._exit(0)  # the parent died before PDEATHSIG was armed
+                os.close(wfd)
                 os.close(ack_r)
-                _scheduler_process(rfd, name, rank, ack_w)
-            os.write(report_w, str(grandchild).encode())
-        finally:
-            os._exit(0)
+                _child_body(rfd, ack_w, title, rank, shm, quiet=False, hold_gpu=hold_gpu)
+            finally:
+                os._exit(0)
+    else:
+        report_r, report_w = os.pipe()
+        middle = os.fork()
+        if middle == 0:
+            try:
+                os.close(wfd)
+                os.close(report_r)
+                os.close(ack_r)
+                os.setsid()
+                grandchild = os.fork()
+                if grandchild == 0:
+                    os.close(report_w)
+                    _child_body(rfd, ack_w, title, rank, shm, quiet=True, hold_gpu=hold_gpu)
+                os.write(report_w, str(grandchild).encode())
+            finally:
+                os._exit(0)
+        os.close(report_w)
+        chunks = []
+        while True:
+            chunk = os.read(report_r, 32)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        os.close(report_r)
+        os.waitpid(middle, 0)
+        pid = int(b"".join(chunks))
     os.close(rfd)
-    os.close(report_w)
     os.close(ack_w)
-    chunks = []
-    while True:
-        chunk = os.read(report_r, 32)
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(report_r)
-    os.waitpid(middle, 0)
     os.set_inheritable(wfd, False)
     os.set_inheritable(ack_r, False)
-    return Scheduler(rank=rank, pid=int(b"".join(chunks)), wfd=wfd, gpus=gpus, ack_fd=ack_r)
+    return Child(label=label, rank=rank, pid=pid, wfd=wfd, gpus=gpus, shm=shm, ack_fd=ack_r, detached=detached)
 
 
 def _pid_gone(pid: int) -> bool:
@@ -523,11 +624,25 @@ def _pid_gone(pid: int) -> bool:
         return True
 
 
+def _alnum(n: int) -> str:
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    return "".join(random.choice(chars) for _ in range(n))
+
+
 # --- The server -------------------------------------------------------------------------
 
 
+@dataclass
+class Request:
+    """A generation in flight, as SGLang's rid_to_state holds it."""
+
+    rid: str
+    ends_at: float  # time.monotonic() when it will complete
+    health: bool = False
+
+
 class StandinServer:
-    """One stand-in SGLang server: HTTP front, start-up script, schedulers, shutdown."""
+    """One stand-in SGLang server: start-up script, children, HTTP front, drain and crash paths."""
 
     def __init__(self, args: argparse.Namespace, settings: Settings, argv: Sequence[str]) -> None:
         self.args = args
@@ -537,62 +652,124 @@ class StandinServer:
         self.context_len = args.context_length or 131072
         self.is_generation = not args.is_embedding
         self.pd_mode = args.disaggregation_mode
+        self.tp = max(1, args.tp_size)
+        self.level = LEVELS.get(str(args.log_level).lower(), INFO)
+        http_level = getattr(args, "log_level_http", None)
+        self.http_level = LEVELS.get(str(http_level).lower(), self.level) if http_level else self.level
         self.lock = threading.Lock()
-        self.ready = threading.Event()
+        self.up = False  # warm-up done: SGLang's server_status Up
+        self.unhealthy = False  # the last /health timed out: status UnHealthy
         self.draining = False
         self.hung = False
-        self.term: SignalLatch | None = None
         self.first_health_200 = False
-        self.token_s = float(os.environ.get(ENV_TOKEN_S) or 0.0)
-        self.schedulers: list[Scheduler] = []
-        self.gpus: list[int] = []
-        self.http: StandinHTTPServer | None = None
-        self.bootstrap: StandinHTTPServer | None = None
+        self.seen_ready = False
+        self.ready_at: float | None = None  # monotonic
         self.startup_time: float | None = None
         self.max_total_num_tokens: int | None = None
+        self.requests: dict[str, Request] = {}
+        self.last_receive = 0.0  # monotonic: the last time a generation completed
         self.stats = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self.children: list[Child] = []
+        self.children_lock = threading.Lock()
+        self.watchdog_off = False
+        self.crashing = threading.Lock()
+        self.gpus: list[int] = []
         self.sim: Any = None
         self.total_mib = 143771
         self.reserved_mib = 615
+        self.ipc: list[tuple[str, socket.socket | None]] = []
+        self.http: StandinHTTPServer | None = None
+        self.bootstrap: StandinHTTPServer | None = None
+        # main-thread control: the signal handler and the HTTP threads write bytes to this pipe
+        self._ctl_r, self._ctl_w = os.pipe()
+        os.set_blocking(self._ctl_r, False)
+        os.set_blocking(self._ctl_w, False)
+        self.handler_installed = threading.Event()
+        self.handler_installed_at: float | None = None
+        self.term_at: float | None = None
+        self.term_seen = False
+
+    # -- output -------------------------------------------------------------------------
+
+    def log(self, message: str, level: int = INFO, rank: int | None = None) -> None:
+        """A main-process line (rank None) or a scheduler line (TP<rank> prefix when TP > 1)."""
+        if level < self.level:
+            return
+        tag = f"TP{rank}" if rank is not None and self.tp > 1 else None
+        _log_line(message, tag=tag)
+
+    def log_ranks(self, message: str | Callable[[int], str], level: int = INFO) -> None:
+        """A line every scheduler prints, one per TP rank."""
+        for rank in range(self.n_schedulers() if self.children else 1):
+            self.log(message(rank) if callable(message) else message, level, rank)
+
+    def uvicorn(self, message: str, level: int = INFO) -> None:
+        """uvicorn's error logger with SGLang's format: "[stamp] INFO:     message" on stderr."""
+        if level < self.http_level:
+            return
+        name = {INFO: "INFO", WARNING: "WARNING", ERROR: "ERROR"}.get(level, "INFO")
+        _log_line(f"{name + ':':<9} {message}")
+
+    def access_log(self, client: tuple[Any, ...], request_line: str, status: int, phrase: str) -> None:
+        if INFO < self.http_level:
+            return
+        excluded = getattr(self.args, "uvicorn_access_log_exclude_prefixes", None) or []
+        path = request_line.split(" ")[1] if " " in request_line else ""
+        if any(path.startswith(p) for p in excluded):
+            return
+        _log_line(f'INFO:     {client[0]}:{client[1]} - "{request_line}" {status} {phrase}', stream=sys.stdout)
 
     # -- lifecycle ----------------------------------------------------------------------
 
     def run(self) -> int:
-        a = self.args
-        self.http = bind_or_exit(a.host, a.port, _make_handler(self), "HTTP server")
+        a, s = self.args, self.settings
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if s.fault and s.fault.kind in ("hang-on-term", "exit-on-term-slow"):
+            self._install_sigterm()  # these faults model a SIGTERM path, whatever the phase
         if a.model_path is None:
-            log("ValueError: --model-path is required", tag=None, stream=sys.stderr)
+            self.log("ValueError: --model-path is required", ERROR)
             return 1
+        self._create_ipc()
+        self.log(f"server_args=ServerArgs(model_path={a.model_path!r}, tp_size={a.tp_size}, dp_size={a.dp_size}, "
+                 f"host={a.host!r}, port={a.port}, disaggregation_mode={a.disaggregation_mode!r}, "
+                 f"base_gpu_id={a.base_gpu_id}, ...)  [stand-in]")
         try:
             self._prepare_gpus()
+            self._spawn_children()
         except StartupError as e:
-            log(str(e), stream=sys.stderr)
-            return 1
-        # Handlers first: a SIGTERM during the forks takes the graceful path too (the
-        # schedulers reset them to the default).
-        self.term = SignalLatch(signal.SIGTERM, signal.SIGINT)
-        n = max(1, min(MAX_SCHEDULERS, len(self.gpus)))
-        per = -(-len(self.gpus) // n)  # contiguous chunks when more GPUs than schedulers
-        for rank in range(n):
-            title = f"sglang::scheduler_TP{rank}"
-            self.schedulers.append(spawn_scheduler(rank, self.gpus[rank * per:(rank + 1) * per], title))
-        # Threads start only after the forks: forking a threaded process is unsafe.
-        serve_in_thread(self.http, "http")
-        log(f"Uvicorn running on http://{a.host}:{a.port} (Press CTRL+C to quit)", tag=None)
+            self.log(str(e), ERROR)
+            return self._exit_after_startup_error()
+        threading.Thread(target=self._watchdog, name="subprocess-watchdog", daemon=True).start()
+        if self.pd_mode == "prefill":
+            threading.Thread(target=self._start_bootstrap, name="bootstrap", daemon=True).start()
         try:
-            code = self._start_up()
-            if code is not None:
-                return code
-            return self._serve_until_stopped()
+            self._load()
         except StartupError as e:
-            log(str(e), stream=sys.stderr)
-            self._stop_schedulers()
-            return 1
+            self.log(str(e), ERROR, rank=0)
+            return self._exit_after_startup_error()
+        return self._serve()
 
-    def _sleep(self, seconds: float) -> bool:
-        """Sleep unless SIGTERM comes first; True when it did."""
-        assert self.term is not None
-        return self.term.wait(max(0.0, seconds))
+    def _exit_after_startup_error(self) -> int:
+        self._stop_children()
+        self._remove_files()
+        return 1
+
+    def _create_ipc(self) -> None:
+        """Three ipc:// endpoints named by tempfile, each a bound AF_UNIX socket at that path."""
+        for _ in range(3):
+            with tempfile.NamedTemporaryFile(delete=False) as f:
+                path = f.name
+            sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                os.unlink(path)
+                sock.bind(path)  # type: ignore[union-attr]
+                sock.listen(8)  # type: ignore[union-attr]
+                sock.set_inheritable(False)  # type: ignore[union-attr]
+            except OSError:  # a path too long for AF_UNIX: the plain temporary file stays
+                sock.close()  # type: ignore[union-attr]
+                sock = None
+                Path(path).touch()
+            self.ipc.append((path, sock))
 
     def _prepare_gpus(self) -> None:
         uuids = None
@@ -615,30 +792,131 @@ class StandinServer:
         else:
             self.gpus = resolve_gpus(self.args, os.environ)
 
+    def n_schedulers(self) -> int:
+        return max(1, min(MAX_SCHEDULERS, len(self.gpus) or 1))
+
+    def schedulers(self) -> list[Child]:
+        return [c for c in self.children if c.label.startswith("scheduler_")]
+
+    def _spawn_children(self) -> None:
+        """Schedulers (one per rank, at most 8) and the detokenizer; before any thread starts."""
+        n = self.n_schedulers()
+        per = -(-len(self.gpus) // n)  # contiguous chunks when more GPUs than schedulers
+        detached = self.settings.schedulers == "detached"
+        hold_gpu = bool(int(os.environ.get(ENV_TORCH_MIB) or 0))
+        for rank in range(n):
+            title = "sglang::scheduler" if self.tp == 1 else f"sglang::scheduler_TP{rank}"
+            shm = [f"/dev/shm/sgl_shm_{os.urandom(8).hex()}"]
+            if self.tp > 1:
+                shm.append(f"/dev/shm/nccl-{_alnum(6)}")
+            child = spawn_child(f"scheduler_{rank}", title, rank, self.gpus[rank * per:(rank + 1) * per], shm,
+                                detached, hold_gpu)
+            self.children.append(child)
+        self.children.append(spawn_child("detokenizer", "sglang::detokenizer", 0, [], [], False, False))
+
+    def _start_bootstrap(self) -> None:
+        a = self.args
+        try:
+            self.bootstrap = StandinHTTPServer(a.host, a.disaggregation_bootstrap_port, _BootstrapHandler)
+        except OSError as e:
+            self.log(f"Failed to start the bootstrap server on {a.host}:{a.disaggregation_bootstrap_port}: "
+                     f"[Errno {e.errno}] {e.strerror}", ERROR)
+            return
+        serve_in_thread(self.bootstrap, "bootstrap-http")
+        self.log(f"Bootstrap server started on {a.host}:{a.disaggregation_bootstrap_port}")
+
+    # -- waiting in the main thread -----------------------------------------------------
+
+    def _wait(self, seconds: float) -> None:
+        """Sleep in the main thread, handling control bytes (lazy handler install, SIGTERM)."""
+        deadline = time.monotonic() + max(0.0, seconds)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            ready, _, _ = select.select([self._ctl_r], [], [], remaining)
+            if ready:
+                self._handle_control()
+
+    def _handle_control(self) -> None:
+        try:
+            data = os.read(self._ctl_r, 4096)
+        except BlockingIOError:
+            return
+        if b"i" in data:
+            self._install_sigterm()
+        if b"t" in data and not self.term_seen:
+            self.term_seen = True
+            self._on_sigterm()
+
+    def _install_sigterm(self) -> None:
+        """The lazy SIGTERM handler (main thread only, as Python requires)."""
+        if self.handler_installed.is_set():
+            return
+        signal.signal(signal.SIGTERM, self._sigterm_handler)
+        self.handler_installed_at = time.monotonic()
+        self.handler_installed.set()
+
+    def _sigterm_handler(self, signum: int, frame: object) -> None:
+        if self.term_at is None:
+            self.term_at = time.monotonic()
+        try:
+            os.write(self._ctl_w, b"t")
+        except OSError:
+            pass
+
+    def request_sigterm_handler(self) -> None:
+        """Called by the first /generate (a handler thread): have the main thread install it."""
+        if self.handler_installed.is_set():
+            return
+        try:
+            os.write(self._ctl_w, b"i")
+        except OSError:
+            pass
+        self.handler_installed.wait(2.0)
+
+    def _on_sigterm(self) -> None:
+        """SIGTERM seen by the main thread: SGLang's handler only sets gracefully_exit."""
+        self.log("SIGTERM received. signum=None frame=None. Draining requests and shutting down...", WARNING)
+        with self.lock:
+            self.draining = True
+        fault = self.settings.fault
+        if fault and fault.kind == "hang-on-term":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            self.hung = True
+            while True:  # the main thread is stuck; HTTP threads still serve, /health hangs
+                time.sleep(3600)
+        if self.http is None:  # still loading (only the fault handlers are installed this early)
+            self._wait(max(0.0, self.term_at + (fault.seconds if fault else 0.0) - time.monotonic())
+                       if self.term_at is not None else 0.0)
+            self._graceful_exit()
+
+    # -- loading ------------------------------------------------------------------------
+
     def _free_mib(self, gpu: int) -> int:
         """Free MiB on `gpu` counting everyone's live holdings but our schedulers'."""
-        ours = {s.pid for s in self.schedulers}
+        ours = {c.pid for c in self.children}
         used = sum(h.mib for h in self.sim.holders() if gpu in h.gpus and h.pid not in ours)
         return self.total_mib - self.reserved_mib - used
 
     def _wait_real_allocations(self) -> None:
         """Torch mode: like SGLang, weights are in GPU memory before "Load weight end"."""
         wait = bool(int(os.environ.get(ENV_TORCH_MIB) or 0))
-        for sched in self.schedulers:
-            if sched.ack_fd >= 0:
-                if wait:
-                    os.read(sched.ack_fd, 1)  # b"" if it died: then it holds nothing either
-                os.close(sched.ack_fd)
-                sched.ack_fd = -1
+        for child in self.children:
+            if child.ack_fd >= 0:
+                if wait and child.label.startswith("scheduler_"):
+                    os.read(child.ack_fd, 1)  # b"" if it died: then it holds nothing either
+                os.close(child.ack_fd)
+                child.ack_fd = -1
 
     def _hold(self, fraction: float) -> None:
         """Make each scheduler hold `fraction` of the configured MiB on its GPUs."""
         if self.sim is None:
             return
         mib = int(self.settings.mib * fraction)
-        for s in self.schedulers:
+        for c in self.schedulers():
             try:
-                self.sim.hold(s.gpus, mib, pid=s.pid)
+                self.sim.hold(c.gpus, mib, pid=c.pid)
             except Exception:  # scheduler already gone (killed from outside)
                 pass
 
@@ -647,23 +925,28 @@ class StandinServer:
             return (self.total_mib - self.reserved_mib - self.settings.mib * held_fraction) / 1024
         return (self._free_mib(self.gpus[0]) - self.settings.mib * held_fraction) / 1024
 
-    def _start_up(self) -> int | None:
-        """The loading script; returns an exit code when start-up ends the process."""
-        a, s = self.args, self.settings
-        total = s.startup_s
-        fault = s.fault
+    def _bar(self, desc: str | Callable[[int], str], total: int, seconds: float, style: str = "bar",
+             at_half: Callable[[], None] | None = None) -> None:
+        """Run a tqdm bar for `seconds`, `total` equal steps (a callable desc sees the step)."""
         t0 = time.monotonic()
+        bar = Bar(desc(0) if callable(desc) else desc, total, style)
+        for i in range(1, total + 1):
+            if at_half is not None and i == total // 2 + 1:
+                at_half()
+            self._wait(t0 + seconds * i / total - time.monotonic())
+            bar.update(1, desc(i) if callable(desc) and i < total else None)
+        bar.close()
 
-        def until(fraction: float) -> bool:
-            return self._sleep(t0 + total * fraction - time.monotonic())
-
-        log(f"server_args=ServerArgs(model_path={a.model_path!r}, tp_size={a.tp_size}, dp_size={a.dp_size}, "
-            f"host={a.host!r}, port={a.port}, disaggregation_mode={a.disaggregation_mode!r}, "
-            f"base_gpu_id={a.base_gpu_id}, ...)  [stand-in, GPUs {self.gpus}]", tag=None)
-        log("Init torch distributed begin.")
-        if until(0.05):
-            return self._graceful_stop()
-        log("Init torch distributed ends. elapsed=0.05 s, mem usage=0.00 GB")
+    def _load(self) -> None:
+        """Weights, KV cache, CUDA graphs, JIT, silence: the minutes with the port closed."""
+        a, s = self.args, self.settings
+        total = max(0.0, s.startup_s)
+        fault = s.fault
+        self.log_ranks("Init torch distributed begin.")
+        self._wait(total * 0.03)
+        self.log_ranks("Init torch distributed ends. elapsed=0.05 s, mem usage=0.00 GB")
+        avail0 = self._avail_gb(0.0)
+        self.log_ranks(f"Load weight begin. avail mem={avail0:.2f} GB")
         if self.sim is not None:
             for g in self.gpus:
                 free = self._free_mib(g)
@@ -672,147 +955,413 @@ class StandinServer:
                         f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {s.mib / 1024:.2f} GiB. "
                         f"GPU {g} has a total capacity of {self.total_mib / 1024:.2f} GiB of which "
                         f"{max(free, 0) / 1024:.2f} GiB is free. (stand-in: other processes hold the rest)")
-        avail0 = self._avail_gb(0.0)
-        log(f"Load weight begin. avail mem={avail0:.2f} GB")
+        weights_s = total * WEIGHTS_SHARE
+        shards = max(2, round(weights_s * PROGRESS_HZ))
+        crash = None
         if fault and fault.kind == "crash-on-start":
-            if until(0.5):
-                return self._graceful_stop()
-            log("Scheduler hit an exception: RuntimeError: injected fault crash-on-start", stream=sys.stderr)
-            return self._sigquit_exit()  # a crash frees nothing: schedulers left running
-        if until(0.45):
-            return self._graceful_stop()
+            crash = lambda: self.crash_exception("model_runner.load_model", "injected fault crash-on-start")  # noqa: E731
+        self._bar("Loading safetensors checkpoint shards", shards, weights_s, "shards", at_half=crash)
         self._hold(0.45)
         self._wait_real_allocations()
         avail1 = self._avail_gb(0.45)
-        log(f"Load weight end. elapsed={total * 0.40:.2f} s, type=LlamaForCausalLM, dtype=torch.bfloat16, "
-            f"avail mem={avail1:.2f} GB, mem usage={avail0 - avail1:.2f} GB.")
-        if until(0.6):
-            return self._graceful_stop()
+        self.log_ranks(f"Load weight end. elapsed={weights_s:.2f} s, type=LlamaForCausalLM, dtype=torch.bfloat16, "
+                       f"avail mem={avail1:.2f} GB, mem usage={avail0 - avail1:.2f} GB.")
+        self._wait(total * KV_SHARE)
         self._hold(0.95)
         kv_gb = s.mib * 0.50 / 1024
         tokens = int(kv_gb * 1024**3 / (160 * 1024))
         self.max_total_num_tokens = tokens
-        log(f"KV Cache is allocated. dtype: torch.bfloat16, #tokens: {tokens}, "
-            f"K size: {kv_gb / 2:.2f} GB, V size: {kv_gb / 2:.2f} GB")
+        self.log_ranks(f"KV Cache is allocated. dtype: torch.bfloat16, #tokens: {tokens}, "
+                       f"K size: {kv_gb / 2:.2f} GB, V size: {kv_gb / 2:.2f} GB")
         avail2 = self._avail_gb(0.95)
-        log(f"Memory pool end. avail mem={avail2:.2f} GB")
-        log(f"max_total_num_tokens={tokens}, chunked_prefill_size={a.chunked_prefill_size or 8192}, "
-            f"max_prefill_tokens={a.max_prefill_tokens}, max_running_requests={a.max_running_requests or 2048}, "
-            f"context_len={self.context_len}, available_gpu_mem={avail2:.2f} GB")
-        if until(0.7):
-            return self._graceful_stop()
-        log(f"Capture target decode CUDA graph begin. backend=full, num_tokens_per_req=1, avail mem={avail2:.2f} GB")
-        if until(0.95):
-            return self._graceful_stop()
+        self.log_ranks(f"Memory pool end. avail mem={avail2:.2f} GB")
+        self.log_ranks(f"Capture target decode CUDA graph begin. backend=full, num_tokens_per_req=1, "
+                       f"avail mem={avail2:.2f} GB")
+        graphs_s = total * GRAPHS_SHARE
+        n_bs = max(2, min(len(GRAPH_BATCH_SIZES), round(graphs_s * PROGRESS_HZ)))
+        bs_list = GRAPH_BATCH_SIZES[:n_bs][::-1]
+        self._bar(lambda i: f"Capturing batches (bs={bs_list[min(i, n_bs - 1)]} avail_mem={avail2 - 0.02 * i:.2f} GB)",
+                  n_bs, graphs_s)
         self._hold(1.0)
         avail3 = self._avail_gb(1.0)
-        bs = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 128, 256]
-        log(f"Capture target decode CUDA graph end. bs={bs}, elapsed={total * 0.25:.2f} s, "
-            f"mem usage={avail2 - avail3:.2f} GB, avail mem={avail3:.2f} GB.")
-        if self.pd_mode == "prefill":
+        self.log_ranks(f"Capture target decode CUDA graph end. bs={bs_list[::-1]}, elapsed={graphs_s:.2f} s, "
+                       f"mem usage={avail2 - avail3:.2f} GB, avail mem={avail3:.2f} GB.")
+        self.log(f"max_total_num_tokens={tokens}, chunked_prefill_size={a.chunked_prefill_size or 8192}, "
+                 f"max_prefill_tokens={a.max_prefill_tokens}, max_running_requests={a.max_running_requests or 2048}, "
+                 f"context_len={self.context_len}, available_gpu_mem={avail3:.2f} GB", rank=0)
+        self._wait(max(0.0, total * (1 - 0.03 - WEIGHTS_SHARE - KV_SHARE - GRAPHS_SHARE)))
+        self._jit()
+        self._wait(s.silent_s)  # no output at all: a JIT that looks hung
+
+    def _jit(self) -> None:
+        """DeepGEMM's JIT warm-up: minutes on a cache miss, nothing on a hit."""
+        key = f"standin-{cache_key(self.args.model_path, self.tp)}"
+        markers = [d / key for d in cache_dirs(os.environ)]
+        if all(m.is_file() for m in markers):
+            self.log(f"DeepGEMM JIT: using cached kernels ({markers[0]})", rank=0)
+            return
+        self.log("DeepGEMM JIT warmup: compiling kernels, which may take a long time (typically 10-20 mins)",
+                 WARNING, rank=0)
+        jit_s = max(0.0, self.settings.jit_s)
+        self._bar("DeepGEMM warmup", max(2, round(jit_s * PROGRESS_HZ)), jit_s)
+        for m in markers:
             try:
-                self.bootstrap = StandinHTTPServer(a.host, a.disaggregation_bootstrap_port, _BootstrapHandler)
+                m.parent.mkdir(parents=True, exist_ok=True)
+                m.write_text(f"{SGLANG_VERSION} {self.args.model_path} tp={self.tp}\n")
             except OSError as e:
-                raise StartupError(f"OSError: bootstrap server cannot bind "
-                                   f"{a.host}:{a.disaggregation_bootstrap_port}: {e.strerror or e}") from None
-            serve_in_thread(self.bootstrap, "bootstrap")
-            log(f"Bootstrap server started on {a.host}:{a.disaggregation_bootstrap_port}", tag=None)
-        if until(1.0):
-            return self._graceful_stop()
-        if fault and fault.kind == "never-ready":
-            return None
-        self.startup_time = time.time()
-        self.ready.set()
-        became_ready_file = os.environ.get(ENV_READY_AT_FILE)
-        if became_ready_file:  # when it *could* first answer 200: what a polling loop's delay is measured from
-            with open(became_ready_file, "a") as f:
-                f.write(f"{self.startup_time!r}\n")
-        log("The server is fired up and ready to roll!", tag=None)
+                self.log(f"Failed to write the JIT cache {m}: {e.strerror or e}; kernels will be compiled "
+                         f"again at the next start", WARNING, rank=0)
+
+    # -- HTTP and warm-up ---------------------------------------------------------------
+
+    def url(self) -> str:
+        a = self.args
+        host = f"[{a.host}]" if ":" in a.host else a.host
+        return f"http://{host}:{a.port}"
+
+    def _serve(self) -> int:
+        a = self.args
+        self.uvicorn(f"Started server process [{os.getpid()}]")
+        self.uvicorn("Waiting for application startup.")
+        self.uvicorn("Application startup complete.")
+        try:
+            self.http = StandinHTTPServer(a.host, a.port, _make_handler(self))
+        except OSError as e:
+            return self._busy_port(e)
+        serve_in_thread(self.http, "http")
+        self.uvicorn(f"Uvicorn running on {self.url()} (Press CTRL+C to quit)")
+        threading.Thread(target=self._warmup, name="warmup", daemon=True).start()
+        return self._control_loop()
+
+    def _busy_port(self, e: OSError) -> int:
+        """uvicorn cannot bind: it says so, the warm-up still talks to the port's holder, exit 3."""
+        a = self.args
+        self.uvicorn(f"[Errno {e.errno}] error while attempting to bind on address ({a.host!r}, {a.port}): "
+                     f"{(e.strerror or str(e)).lower()}", ERROR)
+        self.uvicorn("Waiting for application shutdown.")
+        self.uvicorn("Application shutdown complete.")
+        ok = self._warmup_requests(BUSY_PORT_WARMUP_TRIES, BUSY_PORT_TIMEOUT_S, BUSY_PORT_TIMEOUT_S)
+        if ok is None:
+            self.log("The server is fired up and ready to roll!")
+        else:
+            self.log(f"Initialization failed. warmup error: {ok}", ERROR)
+        self._kill_children()
+        return 3
+
+    def _warmup_requests(self, tries: int, get_timeout: float, generate_timeout: float) -> str | None:
+        """SGLang's _execute_server_warmup against host:port; None on success, else the error."""
+        a = self.args
+        last = "no attempt"
+        info: Any = None
+        for _ in range(tries):
+            time.sleep(WARMUP_FIRST_SLEEP_S)
+            try:
+                code, _, body = fetch("GET", self.url() + "/model_info", timeout=get_timeout)
+                if code == 200:
+                    info = json.loads(body or b"{}")
+                    break
+                last = f"GET /model_info: {code}"
+            except (OSError, ValueError) as e:
+                last = f"GET /model_info: {e!r}"
+        else:
+            return last
+        is_generation = info.get("is_generation", True) if isinstance(info, dict) else True
+        path = "/generate" if is_generation else "/encode"
+        n = max(1, a.dp_size)
+        body: dict[str, Any] = {"sampling_params": {"temperature": 0, "max_new_tokens": 8 if is_generation else 1},
+                                "text": ["The capital city of France is"] * n}
+        if self.pd_mode != "null":
+            self.log("Start of pd disaggregation warmup ...")
+            body["sampling_params"]["ignore_eos"] = True
+            body["bootstrap_host"] = ["2.2.2.2"] * n  # SGLang's FAKE_BOOTSTRAP_HOST
+            body["bootstrap_room"] = [random.getrandbits(63) for _ in range(n)]
+        try:
+            code, _, reply = fetch("POST", self.url() + path, json.dumps(body).encode(), timeout=generate_timeout)
+        except OSError as e:
+            return f"POST {path}: {e!r}"
+        if code != 200:
+            return f"POST {path}: {code} {reply[:200]!r}"
+        if self.pd_mode != "null":
+            self.log(f"End of prefill disaggregation mode warmup with status {code}, resp: {reply[:200].decode(errors='replace')}")
         return None
 
-    def _serve_until_stopped(self) -> int:
-        """Serve until SIGTERM, an injected crash, or a scheduler dying under us.
-
-        A scheduler that dies (killed from outside) makes SGLang's main process exit 1
-        through its SIGQUIT path; the other detached schedulers are not found and stay.
-        """
+    def _warmup(self) -> None:
+        """The warm-up thread: then "fired up", and the server is Up."""
         fault = self.settings.fault
-        crash_at = None
-        crash_s = 0.0
-        if fault and fault.kind == "crash-after-ready" and self.ready.is_set():
-            crash_s = fault.seconds
-            crash_at = time.monotonic() + crash_s
-        while not self._sleep(0.25 if crash_at is None else min(0.25, crash_at - time.monotonic())):
-            if crash_at is not None and time.monotonic() >= crash_at:
-                log(f"Scheduler hit an exception: RuntimeError: injected fault crash-after-ready:{crash_s:g}",
-                    stream=sys.stderr)
-                return self._sigquit_exit()
-            dead = [s for s in self.schedulers if _pid_gone(s.pid)]
-            if dead:
-                log(f"Scheduler TP{dead[0].rank} (pid {dead[0].pid}) died unexpectedly.", stream=sys.stderr)
-                return self._sigquit_exit()
-        return self._graceful_stop()
-
-    def _sigquit_exit(self) -> int:
-        log("Received sigquit from a child process. It usually means the child failed.", tag=None,
-            stream=sys.stderr)
-        return 1  # the detached schedulers are deliberately left running
-
-    def _graceful_stop(self) -> int:
-        """SGLang's SIGTERM path: 503 on /health, drain with no bound, stop schedulers, exit 0."""
-        fault = self.settings.fault
-        t_term = time.monotonic()
-        log(f"SIGTERM received. signum={int(signal.SIGTERM)} frame=None. Draining requests and shutting down...",
-            tag=None)
-        if fault and fault.kind == "hang-on-term":
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            self.hung = True
-            while True:
-                time.sleep(3600)
+        if not self.args.skip_server_warmup:
+            timeout = WARMUP_GENERATE_TIMEOUT_S * (3 if self.pd_mode != "null" else 1)
+            error = self._warmup_requests(WARMUP_TRIES, WARMUP_GET_TIMEOUT_S, timeout)
+            if error is not None and self.pd_mode == "null":
+                self.log(f"Initialization failed. warmup error: {error}", ERROR)
+                self._kill_children()
+                os.kill(os.getpid(), signal.SIGKILL)
+            if error is not None:
+                self.log(f"Prefill disaggregation mode warm Up Failed: {error}")
+                with self.lock:
+                    self.unhealthy = True
+        if fault and fault.kind == "never-ready":
+            return
+        if fault and fault.kind == "crash-after-ready":
+            try:
+                os.write(self._ctl_w, b"r")  # the main loop arms the crash timer (before any "seen ready")
+            except OSError:
+                pass
         with self.lock:
-            self.draining = True
-        assert self.http is not None
-        self.http.inflight.wait_idle()
-        if fault and fault.kind == "exit-on-term-slow":
-            time.sleep(max(0.0, t_term + fault.seconds - time.monotonic()))
-        self._stop_schedulers()
+            self.up = True
+            self.ready_at = time.monotonic()
+            self.startup_time = time.time()
+        if self.settings.ready_at_file:
+            with open(self.settings.ready_at_file, "a") as f:
+                f.write(f"{self.startup_time!r}\n")
+        self.log("The server is fired up and ready to roll!")
+
+    def _control_loop(self) -> int:
+        """The main thread while serving: lazy handler, SIGTERM, the drain watchdog, injected crash."""
+        s = self.settings
+        crash_at: float | None = None
+        next_check: float | None = None
+        while True:
+            now = time.monotonic()
+            deadlines = [d for d in (crash_at, next_check) if d is not None]
+            timeout = max(0.0, min(deadlines) - now) if deadlines else None
+            ready, _, _ = select.select([self._ctl_r], [], [], timeout)
+            if ready:
+                try:
+                    data = os.read(self._ctl_r, 4096)
+                except BlockingIOError:
+                    data = b""
+                if b"i" in data:
+                    self._install_sigterm()
+                if s.fault and s.fault.kind == "crash-after-ready":
+                    if b"r" in data:  # up: armed, for when nobody probes
+                        crash_at = time.monotonic() + s.fault.seconds + s.health_timeout_s
+                    if b"s" in data and crash_at is not None:  # first seen ready by a prober
+                        crash_at = time.monotonic() + s.fault.seconds
+                if b"t" in data and not self.term_seen:
+                    self.term_seen = True
+                    self._on_sigterm()
+                    next_check = self._first_drain_check()
+            now = time.monotonic()
+            if crash_at is not None and now >= crash_at:
+                self.crash_exception("event_loop_overlap", f"injected fault crash-after-ready:{s.fault.seconds:g}")
+            if next_check is not None and now >= next_check:
+                if self._drain_check():
+                    return self._graceful_exit()
+                next_check += s.drain_poll_s
+                while next_check <= time.monotonic():
+                    next_check += s.drain_poll_s
+
+    def _first_drain_check(self) -> float:
+        poll = self.settings.drain_poll_s
+        t_term = self.term_at if self.term_at is not None else time.monotonic()
+        if DRAIN_CLOCK == "immediate":
+            return t_term
+        if DRAIN_CLOCK == "sigterm" or self.handler_installed_at is None:
+            return t_term + poll
+        t0 = self.handler_installed_at
+        k = int((t_term - t0) // poll) + 1
+        return t0 + k * poll
+
+    def _drain_check(self) -> bool:
+        """One wake-up of SGLang's sigterm watchdog after SIGTERM; True when it may exit."""
+        with self.lock:
+            rids = list(self.requests)
+            unhealthy = self.unhealthy
+        if unhealthy:
+            self.log("Signal SIGTERM received while health check failed. Force exiting.", ERROR)
+            return True
+        if self.settings.force_shutdown:
+            self.log("Signal SIGTERM received while force shutdown flag set. Force exiting.", ERROR)
+            return True
+        self.log(f"Gracefully exiting... Remaining number of requests {len(rids)}. "
+                 f"Remaining requests remaining_rids={rids}.")
+        return not rids
+
+    def _graceful_exit(self) -> int:
+        """After the drain: stop the children (15 s, then SIGKILL), remove our files, exit 0."""
+        fault = self.settings.fault
+        if fault and fault.kind == "exit-on-term-slow" and self.term_at is not None:
+            time.sleep(max(0.0, self.term_at + fault.seconds - time.monotonic()))
+        self._stop_children()
+        self.log("Gracefully exiting... all schedulers stopped.")
+        self._remove_files()
         for srv in (self.bootstrap, self.http):
             if srv is not None:
-                srv.shutdown()
                 srv.server_close()
-        log("Gracefully exiting... all schedulers stopped.", tag=None)
-        return 0
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
-    def _stop_schedulers(self) -> None:
-        """Tell every scheduler to exit, wait up to 15 s, then SIGKILL stragglers."""
-        for s in self.schedulers:
+    # -- children: watchdog, stop, crash ------------------------------------------------
+
+    def _watchdog(self) -> None:
+        """SGLang's SubprocessWatchdog: a dead child sends the server down its crash path."""
+        while True:
+            time.sleep(WATCHDOG_POLL_S)
+            with self.children_lock:
+                if self.watchdog_off:
+                    return
+                dead = next((c for c in self.children if c.poll()), None)
+            if dead is not None:
+                self.crash([f"Subprocess {dead.label} (pid={dead.pid}) crashed with exit code {dead.exit_code}"])
+
+    def _stop_children(self) -> None:
+        """Tell every child to exit, wait up to 15 s, then SIGKILL stragglers."""
+        with self.children_lock:
+            self.watchdog_off = True
+        for c in self.children:
             try:
-                os.write(s.wfd, b"q")
+                os.write(c.wfd, b"q")
             except OSError:
                 pass
         deadline = time.monotonic() + SCHEDULER_STOP_WAIT_S
-        pending = [s.pid for s in self.schedulers]
+        pending = list(self.children)
         while pending and time.monotonic() < deadline:
-            pending = [p for p in pending if not _pid_gone(p)]
+            pending = [c for c in pending if not c.poll()]
             if pending:
-                time.sleep(0.01)
-        for pid in pending:
+                time.sleep(0.005)
+        for c in pending:
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(c.pid, signal.SIGKILL)
             except OSError:
                 pass
+        for c in pending:
+            if not c.detached:
+                try:
+                    os.waitpid(c.pid, 0)
+                except ChildProcessError:
+                    pass
+
+    def _kill_children(self) -> None:
+        """SIGKILL every child we can find (kill_process_tree): detached schedulers are not found."""
+        with self.children_lock:
+            self.watchdog_off = True
+        for c in self.children:
+            if not c.detached:
+                try:
+                    os.kill(c.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+    def _remove_files(self) -> None:
+        for path, sock in self.ipc:
+            if sock is not None:
+                sock.close()
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        for c in self.children:
+            for path in c.shm:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
+    def files(self) -> list[str]:
+        return [p for p, _ in self.ipc] + [p for c in self.children for p in c.shm]
+
+    def crash_exception(self, where: str, message: str) -> NoReturn:
+        """A scheduler raised: SGLang's scheduler logs it and SIGQUITs the main process."""
+        tb = (f"Scheduler hit an exception: Traceback (most recent call last):\n"
+              f'  File "{SCHEDULER_SRC}", line 3012, in run_scheduler_process\n'
+              f"    scheduler.event_loop_overlap()\n"
+              f'  File "{SCHEDULER_SRC}", line 1187, in {where.rpartition(".")[2]}\n'
+              f"    raise RuntimeError(...)\n"
+              f"RuntimeError: {message} (stand-in)")
+        self.log(tb, ERROR, rank=0)
+        if self.settings.killpg_on_exception:
+            sys.stderr.flush()
+            os.killpg(0, signal.SIGKILL)  # the whole group: ours, or whoever started us in theirs
+        self.crash([])
+
+    def crash(self, lines: list[str]) -> NoReturn:
+        """SGLang's SIGQUIT path: kill the children (tree), then SIGKILL itself. Files stay."""
+        if not self.crashing.acquire(blocking=False):
+            while True:  # another thread is already taking the process down
+                time.sleep(3600)
+        for line in lines:
+            self.log(line, ERROR)
+        self.log("Received sigquit from a child process. It usually means the child failed.", ERROR)
+        self._kill_children()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+        while True:
+            time.sleep(3600)
 
     # -- request handling (called from handler threads) --------------------------------
 
-    def health_status(self) -> int:
+    def health_stall_s(self) -> float | None:
+        st = self.settings.health_stall
+        if st is None or self.ready_at is None:
+            return None
+        seconds, duration = st
+        return seconds if time.monotonic() < self.ready_at + duration else None
+
+    def health(self) -> int:
+        """/health = /health_generate: SGLang's one-token generation, polled every 1 s."""
         with self.lock:
-            draining = self.draining
-        if draining or not self.ready.is_set():
+            draining, up = self.draining, self.up
+        if draining:
+            self.log("Health check request received during shutdown. Returning 503.")
             return 503
-        return 200
+        if not up:
+            return 503
+        tic = time.monotonic()
+        tic_wall = time.time()
+        timeout = self.settings.health_timeout_s
+        stall = self.health_stall_s()
+        rid = f"HEALTH_CHECK_{time.time()}"
+        with self.lock:
+            idle = not any(not r.health for r in self.requests.values())
+            self.requests[rid] = Request(rid, tic + timeout, health=True)
+        try:
+            k = 0
+            while time.monotonic() < tic + timeout:
+                k += 1
+                time.sleep(max(0.0, tic + k * HEALTH_POLL_S - time.monotonic()))
+                if stall is not None:
+                    answered = stall < timeout and time.monotonic() >= tic + stall - 1e-3
+                else:
+                    with self.lock:
+                        answered = idle or self.last_receive > tic
+                if answered:
+                    with self.lock:
+                        self.unhealthy = False
+                    return 200
+            with self.lock:
+                heartbeat = time.time() - (time.monotonic() - self.last_receive) if self.last_receive else tic_wall
+            self.log(f"Health check failed. Server couldn't get a response from detokenizer for last "
+                     f"{timeout:g} seconds. tic start time: {time.strftime('%H:%M:%S', time.localtime(tic_wall))}. "
+                     f"last_heartbeat time: {time.strftime('%H:%M:%S', time.localtime(heartbeat))}", ERROR)
+            with self.lock:
+                self.unhealthy = True
+            return 503
+        finally:
+            with self.lock:
+                self.requests.pop(rid, None)
+
+    def ready_status(self) -> int:
+        with self.lock:
+            code = 200 if self.up and not self.draining else 503
+        if code == 200:
+            self._seen_ready()
+        return code
+
+    def _seen_ready(self) -> None:
+        """The first 200 on /health or /ready: crash-after-ready counts from here."""
+        with self.lock:
+            first = not self.seen_ready
+            self.seen_ready = True
+        if first:
+            try:
+                os.write(self._ctl_w, b"s")
+            except OSError:
+                pass
 
     def note_health_200(self) -> None:
+        self._seen_ready()
         with self.lock:
             first = not self.first_health_200
             self.first_health_200 = True
@@ -841,11 +1390,13 @@ class StandinServer:
 
     def server_info(self) -> dict[str, Any]:
         info: dict[str, Any] = dict(vars(self.args))
+        with self.lock:
+            status = "ready" if self.up else "starting"
         info.update({
             "served_model_name": self.served_model_name,
             "context_length": self.args.context_length,
             "launch_command": " ".join([sys.executable, "-m", "sglang.launch_server", *self.argv]),
-            "status": "ready" if self.ready.is_set() else "starting",
+            "status": status,
             "max_total_num_tokens": self.max_total_num_tokens,
             "max_req_input_len": self.context_len - 1,
             "startup_time": self.startup_time,
@@ -861,9 +1412,15 @@ class StandinServer:
             "frontend": "python",
             "stand_in": True,
             "gpu_ids": self.gpus,
-            "scheduler_pids": [s.pid for s in self.schedulers],
+            "scheduler_pids": [c.pid for c in self.children],
+            "detokenizer_pid": next((c.pid for c in self.children if c.label == "detokenizer"), None),
+            "stand_in_files": self.files(),
         })
         return info
+
+    def running(self) -> int:
+        with self.lock:
+            return sum(1 for r in self.requests.values() if not r.health)
 
     def generate(self, body: dict[str, Any]) -> tuple[int, Any]:
         """Answer a /generate body like SGLang; honours a simulated duration.
@@ -872,59 +1429,63 @@ class StandinServer:
         tests can keep a request in flight while they stop the server; the router drops
         both, so behind it max_new_tokens x SUPERVISORD_GPU_STANDIN_TOKEN_S is used.
         """
-        assert self.http is not None
-        with self.http.inflight:
-            with self.lock:
-                draining = self.draining
-            if draining or not self.ready.is_set():
-                return 503, {"error": {"message": "The server is not ready or is shutting down.", "code": 503}}
-            if self.args.log_requests:
-                log(f"Receive: obj=GenerateReqInput({json.dumps(body, sort_keys=True)})", tag=None)
-            sp = body.get("sampling_params") or {}
-            if isinstance(sp, list):
-                sp = sp[0] if sp else {}
-            delay = float(sp.get("sleep") or body.get("stub_sleep_s") or 0.0)
-            if not delay and self.token_s:  # what survives a router: time grows with the tokens asked for
-                delay = self.token_s * float(sp.get("max_new_tokens") or 16)
-            started = time.monotonic()
+        self.request_sigterm_handler()  # SGLang's auto_create_handle_loop
+        if self.args.log_requests:
+            self.log(f"Receive: obj=GenerateReqInput({json.dumps(body, sort_keys=True)})")
+        sp = body.get("sampling_params") or {}
+        if isinstance(sp, list):
+            sp = sp[0] if sp else {}
+        delay = float(sp.get("sleep") or body.get("stub_sleep_s") or 0.0)
+        if not delay and self.settings.token_s:  # what survives a router: time grows with the tokens asked for
+            delay = self.settings.token_s * float(sp.get("max_new_tokens") or 16)
+        started = time.monotonic()
+        rid_value = body.get("rid")
+        rid = rid_value if isinstance(rid_value, str) and rid_value else f"{random.getrandbits(64):032x}"
+        with self.lock:
+            if rid in self.requests:
+                rid = f"{rid}-{random.getrandbits(32):08x}"
+            self.requests[rid] = Request(rid, started + max(0.0, delay))
+        try:
             if delay > 0:
                 time.sleep(delay)
-            batch = isinstance(body.get("text"), list) or (
-                isinstance(body.get("input_ids"), list) and body["input_ids"] and isinstance(body["input_ids"][0], list))
-            n = len(body.get("text") or body.get("input_ids") or []) if batch else 1
-            max_new = int(sp.get("max_new_tokens") or 16)
-            out_tokens = max(0, min(max_new, 16))
-            results = []
-            for i in range(n):
-                prompt = body["text"][i] if batch and body.get("text") else body.get("text")
-                prompt_tokens = len(str(prompt or "").split()) or len(body.get("input_ids") or []) or 1
-                rid = body.get("rid") or f"{random.getrandbits(64):016x}"
-                results.append({
-                    "text": " stand-in" * out_tokens,
-                    "output_ids": list(range(1000, 1000 + out_tokens)),
-                    "meta_info": {
-                        "id": rid if isinstance(rid, str) else str(rid),
-                        "finish_reason": {"type": "length", "length": out_tokens},
-                        "prompt_tokens": prompt_tokens,
-                        "weight_version": self.args.weight_version,
-                        "completion_tokens": out_tokens,
-                        "cached_tokens": 0,
-                        "e2e_latency": round(time.monotonic() - started, 4),
-                    },
-                })
-                with self.lock:
-                    self.stats["requests"] += 1
-                    self.stats["prompt_tokens"] += prompt_tokens
-                    self.stats["generation_tokens"] += out_tokens
-            return 200, (results if batch else results[0])
+        finally:
+            with self.lock:
+                self.requests.pop(rid, None)
+                self.last_receive = time.monotonic()
+        batch = isinstance(body.get("text"), list) or (
+            isinstance(body.get("input_ids"), list) and body["input_ids"] and isinstance(body["input_ids"][0], list))
+        n = len(body.get("text") or body.get("input_ids") or []) if batch else 1
+        max_new = int(sp.get("max_new_tokens") or 16)
+        out_tokens = max(0, min(max_new, 16))
+        results = []
+        for i in range(n):
+            prompt = body["text"][i] if batch and body.get("text") else body.get("text")
+            prompt_tokens = len(str(prompt or "").split()) or len(body.get("input_ids") or []) or 1
+            results.append({
+                "text": " stand-in" * out_tokens,
+                "output_ids": list(range(1000, 1000 + out_tokens)),
+                "meta_info": {
+                    "id": rid if n == 1 else f"{rid}-{i}",
+                    "finish_reason": {"type": "length", "length": out_tokens},
+                    "prompt_tokens": prompt_tokens,
+                    "weight_version": self.args.weight_version,
+                    "completion_tokens": out_tokens,
+                    "cached_tokens": 0,
+                    "e2e_latency": round(time.monotonic() - started, 4),
+                },
+            })
+            with self.lock:
+                self.stats["requests"] += 1
+                self.stats["prompt_tokens"] += prompt_tokens
+                self.stats["generation_tokens"] += out_tokens
+        return 200, (results if batch else results[0])
 
     def metrics_text(self) -> str:
         label = f'model_name="{self.served_model_name}"'
-        assert self.http is not None
         lines = [
             "# HELP sglang:num_running_reqs The number of running requests.",
             "# TYPE sglang:num_running_reqs gauge",
-            f"sglang:num_running_reqs{{{label}}} {self.http.inflight.count}",
+            f"sglang:num_running_reqs{{{label}}} {self.running()}",
             "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.",
             "# TYPE sglang:num_queue_reqs gauge",
             f"sglang:num_queue_reqs{{{label}}} 0",
@@ -955,11 +1516,22 @@ class _BootstrapHandler(JSONHandler):
 
 def _make_handler(app: StandinServer) -> type[JSONHandler]:
     class Handler(JSONHandler):
-        def _health(self) -> None:
+        def log_request(self, code: Any = "-", size: Any = "-") -> None:
+            try:
+                status = int(code)
+            except (TypeError, ValueError):
+                return
+            phrase = self.responses.get(status, ("",))[0]
+            app.access_log(self.client_address, self.requestline, status, phrase)
+
+        def _health(self, generation: bool = True) -> None:
             if app.hung:
                 while True:  # after SIGTERM with hang-on-term: never answer
                     time.sleep(3600)
-            status = app.health_status()
+            if not generation:
+                status = 200 if app.ready_status() == 200 else 503
+            else:
+                status = app.health()
             if status == 200:
                 app.note_health_200()
             self.send_empty(status)
@@ -971,9 +1543,9 @@ def _make_handler(app: StandinServer) -> type[JSONHandler]:
                 "max_model_len": app.context_len}]})
 
         def _loads(self) -> None:
+            n = app.running()
             self.send_json(200, {"timestamp": time.time(), "dp_rank_count": 1, "loads": [{
-                "dp_rank": 0, "num_running_reqs": app.http.inflight.count if app.http else 0,
-                "num_waiting_reqs": 0, "num_total_reqs": app.http.inflight.count if app.http else 0,
+                "dp_rank": 0, "num_running_reqs": n, "num_waiting_reqs": 0, "num_total_reqs": n,
                 "num_used_tokens": 0, "max_total_num_tokens": app.max_total_num_tokens or 0,
                 "token_usage": 0.0}]})
 
@@ -990,7 +1562,7 @@ def _make_handler(app: StandinServer) -> type[JSONHandler]:
                 self.send_json(400, {"error": {"message": "invalid JSON body"}})
                 return
             status, result = app.generate(body if isinstance(body, dict) else {})
-            if status == 200 and body.get("stream"):
+            if status == 200 and isinstance(body, dict) and body.get("stream"):
                 self._stream(result)
             else:
                 self.send_json(status, result)
@@ -1002,7 +1574,9 @@ def _make_handler(app: StandinServer) -> type[JSONHandler]:
 
         def do_GET(self) -> None:
             self.dispatch({
-                "/health": self._health, "/health_generate": self._health, "/ready": self._health,
+                "/health": lambda: self._health(app.settings.health_generation),
+                "/health_generate": self._health,
+                "/ready": lambda: self.send_empty(app.ready_status()),
                 "/v1/models": self._models,
                 "/model_info": lambda: self.send_json(200, app.model_info()),
                 "/get_model_info": lambda: self.send_json(200, app.model_info()),

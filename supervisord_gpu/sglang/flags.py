@@ -15,8 +15,8 @@ import io
 import subprocess
 from dataclasses import dataclass
 
-from .config.model import Profile
-from .config.render import server_args
+from ..config.model import Profile
+from ..config.render import server_args
 
 _REAL_CHECK = (
     "import sys\n"
@@ -59,7 +59,7 @@ def _check_real(name: str, args: list[str], python: str | None) -> FlagCheck:
 
 
 def _check_table(name: str, args: list[str]) -> FlagCheck:
-    from .rehearsal.standin_server import SGLANG_VERSION, build_parser
+    from .options import SGLANG_VERSION, build_parser
 
     how = f"SGLang {SGLANG_VERSION} option table (SGLang not installed here)"
     err = io.StringIO()

@@ -1,0 +1,98 @@
+"""How to read SGLang's and the router's output: start-up phases, and how bad a line is.
+
+SGLang 0.5.23 prints a line at each start-up step (shared/reference/sglang-server.md); knowing
+the phase lets STATUS say "prefill capturing CUDA graphs 41 s" and lets the notifier extend the
+start timeout only while start-up is making progress. Its long phases print tqdm bars (updates
+separated by `\\r`, one `\\n` at the end): the phase rules apply to those updates too.
+
+SGLang's lines carry no level name (`[2026-12-01 08:00:00 TP0] Scheduler hit an exception: ...`),
+so its failures are recognised by what they say; the router's lines carry ANSI colour codes
+even into a pipe (`\\x1b[31mERROR\\x1b[0m`), which are removed before anything else looks at a
+line (and before it reaches the journal).
+"""
+
+from __future__ import annotations
+
+import re
+
+LAUNCHED = "launched"
+LOADING_WEIGHTS = "loading weights"
+ALLOCATING_KV = "allocating KV cache"
+CAPTURING_GRAPHS = "capturing CUDA graphs"
+COMPILING = "compiling kernels"
+WARMING_UP = "warming up"
+SERVING = "serving"
+DRAINING = "draining"
+INIT_FAILED = "initialization failed"
+
+PHASE_ORDER = (LAUNCHED, LOADING_WEIGHTS, ALLOCATING_KV, CAPTURING_GRAPHS, COMPILING, WARMING_UP, SERVING)
+
+_RULES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"Load weight begin|Loading safetensors checkpoint shards"), LOADING_WEIGHTS),
+    (re.compile(r"Load weight end"), ALLOCATING_KV),
+    (re.compile(r"KV Cache is allocated|Memory pool end"), ALLOCATING_KV),
+    (re.compile(r"Capture .*CUDA graph begin|Capturing batches"), CAPTURING_GRAPHS),
+    (re.compile(r"DeepGEMM|JIT warmup|Compiling|compiling kernels"), COMPILING),
+    (re.compile(r"Capture .*CUDA graph end|max_total_num_tokens=|Uvicorn running on"), WARMING_UP),
+    (re.compile(r"The server is fired up and ready to roll"), SERVING),
+    (re.compile(r"SIGTERM received|starting graceful shutdown"), DRAINING),
+    (re.compile(r"Initialization failed"), INIT_FAILED),
+)
+
+# One alternation searched once per line: the daemon may forward tens of thousands of lines a second.
+_ANY = re.compile("|".join(f"(?:{p.pattern})" for p, _ in _RULES))
+
+# CSI sequences (colours, cursor moves) and the two-byte escapes; what `less -R` would interpret.
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+
+# Errors: level words (the router, uvicorn, Python's logging), and what SGLang's level-less
+# failure lines say (sglang-server.md, "Failure lines"), plus tracebacks and Rust panics.
+_ERROR = re.compile(
+    r"\b(?:ERROR|CRITICAL|FATAL)\b"
+    r"|Traceback \(most recent call last\)"
+    r"|^(?:\[[^\]]*\]\s*)?[A-Za-z_][\w.]*(?:Error|Exception): "
+    r"|Scheduler hit an exception|Received sigquit from a child process|crashed with exit code"
+    r"|Initialization failed|Health check failed|watchdog timeout|error while attempting to bind"
+    r"|CUDA out of memory|panicked at"
+)
+_WARNING = re.compile(r"\b(?:WARNING|WARN)\b")
+
+
+# SGLang's "[2026-12-01 08:00:00 TP0] " and the router's "2026-12-01 08:00:00  INFO target: " prefixes
+_STAMP = re.compile(r"^\[\d{4}-\d\d-\d\d [^\]]*\]\s*|^\d{4}-\d\d-\d\d[ T][\d:.Z]+\s+")
+# error lines that say only that something else failed: never the reason to show
+_GENERIC = ("Received sigquit from a child process", "SIGQUIT received", "kill_process_tree called")
+
+
+def message_of(line: str) -> str:
+    """A line without its time stamp: what to quote as a reason."""
+    return _STAMP.sub("", line, count=1).strip()
+
+
+def is_reason(line: str) -> bool:
+    """An error line worth quoting as the reason for an exit (not "a child failed" boilerplate)."""
+    return not any(g in line for g in _GENERIC)
+
+
+def strip_ansi(line: str) -> str:
+    """The text without terminal escape sequences (the router colours its lines even in a pipe)."""
+    return _ANSI.sub("", line) if "\x1b" in line else line
+
+
+def phase_of(line: str) -> str | None:
+    """The phase a log line (or a progress update) announces, or None for ordinary lines."""
+    if _ANY.search(line) is None:
+        return None
+    for pattern, phase in _RULES:
+        if pattern.search(line):
+            return phase
+    return None
+
+
+def priority_of(line: str) -> int:
+    """syslog priority for a child's (escape-free) line: 3 for errors, 4 for warnings, 6 otherwise."""
+    if _ERROR.search(line):
+        return 3
+    if _WARNING.search(line):
+        return 4
+    return 6

@@ -1,0 +1,34 @@
+"""SGLang 0.5.23's own clocks and numbers, which the supervisor's must respect.
+
+From sglang-server.md (read from SGLang's source): what its health check costs and when it
+gives up, how its drain and watchdog behave, which ports it picks by itself. Probes and
+validation are written against these, so that the supervisor is never stricter than
+SGLang's own verdict on itself.
+"""
+
+from __future__ import annotations
+
+#: GET /health (= /health_generate) submits a one-token generation and sleeps 1 s before its
+#: first look: it never answers 200 faster than this
+HEALTH_MIN_S = 1.0
+#: SGLANG_HEALTH_CHECK_TIMEOUT: /health answers 503 (and marks the server UnHealthy) after this
+HEALTH_VERDICT_S = 20.0
+#: --watchdog-timeout: a forward pass stuck this long makes SGLang kill itself
+WATCHDOG_S = 300.0
+#: after SIGTERM, SGLang looks for "no requests left" this often, with no upper bound
+DRAIN_POLL_S = 5.0
+#: then it waits this long for its schedulers before killing them
+SCHEDULER_EXIT_WAIT_S = 15.0
+
+#: paths that run a generation (the deep check): fine for readiness, too costly for liveness
+DEEP_HEALTH_PATHS = ("/health", "/health_generate")
+#: the cheap status check: 200 iff up, not paused, not draining
+CHEAP_STATUS_PATH = "/ready"
+
+#: with no --nccl-port, every server picks its NCCL port at random in this range
+#: (get_free_port_below_ephemeral: 22000-29999, capped below the ephemeral range): a port a
+#: profile gives to another process there can be taken by a server started before it
+NCCL_RANDOM_PORTS = range(22000, 30000)
+#: with --enable-dp-attention (one node) a server also binds --port plus these: the DP
+#: controller's handshake (+13), torch's dist-init port (+233) and five ZMQ channels (+234..+239)
+DP_ATTENTION_PORT_OFFSETS = (13, *range(233, 240))
