@@ -8,7 +8,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-BENCHMARKS = ["engine_latency", "gpus_latency", "scale", "teardown_vs_supervisord", "footprint", "systemd_bench"]
+BENCHMARKS = ["engine_latency", "gpus_latency", "scale", "teardown_vs_supervisord", "stop_under_traffic", "footprint",
+              "systemd_bench"]
 
 if __name__ == "__main__":
     chosen = sys.argv[1:] or BENCHMARKS

@@ -21,6 +21,7 @@ from typing import Callable
 
 from .config.loader import load_profile
 from .config.model import DaemonConfig, Profile
+from .config.trust import open_nofollow, secure_directory
 from .errors import ConfigError, PreconditionError, SupervisorError
 from .ownership import under_systemd_service
 from . import registry
@@ -144,13 +145,15 @@ class TransitionLock:
     """One transition at a time on this machine: an flock in the runtime directory."""
 
     def __init__(self, runtime: Path, owner: str) -> None:
-        runtime.mkdir(parents=True, exist_ok=True)
+        self.runtime = runtime
         self.path = runtime / "transition.lock"
         self.owner = owner
         self.fd: int | None = None
 
     async def acquire(self, wait_s: float = LOCK_WAIT_S) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        # In a root-owned 0755 directory, never through a planted symlink (config/trust.py).
+        secure_directory(self.runtime)
+        fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -178,10 +181,29 @@ async def stop_instance(conflict: Conflict, cfg: DaemonConfig, timeout: float) -
     if conflict.via == "systemd":
         await asyncio.to_thread(_systemd_stop_and_wait, conflict.instance, timeout)
     else:
-        pid = int(conflict.via.split()[1])
-        os.kill(pid, signal.SIGTERM)  # the other daemon: it stops its own processes in order
-        await _wait_pid_exit(pid, timeout)
+        await _signal_recorded_daemon(conflict, cfg, timeout)
     return time.monotonic() - began
+
+
+async def _signal_recorded_daemon(conflict: Conflict, cfg: DaemonConfig, timeout: float) -> None:
+    """SIGTERM the daemon a registry record names (it stops its own processes in order).
+
+    The PID is pinned with a pidfd first and the record checked again through it, so the
+    signal reaches exactly the process that was verified, not one that reused its number.
+    """
+    pid = int(conflict.via.split()[1])
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        rec = next((r for r in registry.running(cfg.runtime_dir) if r.instance == conflict.instance and r.pid == pid), None)
+        if rec is None:
+            return  # gone, or no longer the daemon its record describes: nothing of ours to stop
+        signal.pidfd_send_signal(fd, signal.SIGTERM)
+    finally:
+        os.close(fd)
+    await _wait_pid_exit(pid, timeout)
 
 
 def _systemd_stop_and_wait(instance: str, timeout: float) -> None:

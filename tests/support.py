@@ -98,7 +98,7 @@ def write_config(
             ownership = "cgroupfs"
             cgroup_root = "{cgroup_root}"
             runtime_dir = "{tmp / 'run'}"
-            strict_modes = false
+            cache_dir = "{tmp / 'cache'}"
             [gpus]
             backend = "simulated"
             wait_idle_timeout = 5
@@ -128,7 +128,7 @@ def flood_config(tmp: Path, cgroup_root: Path, port: int, seconds: float, rate: 
         ownership = "cgroupfs"
         cgroup_root = "{cgroup_root}"
         runtime_dir = "{tmp / 'run'}"
-        strict_modes = false
+        cache_dir = "{tmp / 'cache'}"
         [sglang]
         server_command = ["{sys.executable}", "{Path(__file__).resolve().parent / 'flood_child.py'}"]
         [gpus]
@@ -162,8 +162,8 @@ def pd_profile(ports: list[int], router_extra: str = "", prefill_extra: str = ""
         gpus = [0]
         port = {p_port}
         model_path = "/models/test"
-        stop_timeout = 5
-        probe = {{ timeout = 0.5, liveness_interval = 0.3, failures = 2 }}
+        stop_timeout = 8
+        probe = {{ timeout = 3, liveness_timeout = 0.5, liveness_interval = 0.3, failures = 2 }}
         {prefill_extra}
         [servers.prefill.options]
         disaggregation-bootstrap-port = {boot}
@@ -172,14 +172,14 @@ def pd_profile(ports: list[int], router_extra: str = "", prefill_extra: str = ""
         gpus = [1]
         port = {d_port}
         model_path = "/models/test"
-        stop_timeout = 5
-        probe = {{ timeout = 0.5, liveness_interval = 0.3, failures = 2 }}
+        stop_timeout = 8
+        probe = {{ timeout = 3, liveness_timeout = 0.5, liveness_interval = 0.3, failures = 2 }}
         {decode_extra}
         [router]
         mode = "pd"
         port = {r_port}
         stop_timeout = 10
-        probe = {{ timeout = 0.5, liveness_interval = 0.3, failures = 2 }}
+        probe = {{ timeout = 3, liveness_timeout = 0.5, liveness_interval = 0.3, failures = 2 }}
         {router_extra}
         [router.options]
         prometheus-host = "127.0.0.1"
@@ -309,3 +309,74 @@ class MatrixReport:
 def register_report(config, name: str, title, results: list) -> None:  # type: ignore[no-untyped-def]
     if config.pluginmanager.get_plugin(name) is None:
         config.pluginmanager.register(MatrixReport(title, results), name)
+
+
+# --------------------------------------------------------------------------- traffic
+
+
+class RequestLoop:
+    """Clients sending POST /generate to `url` all along, in threads; what happened to each request.
+
+    A request the server or router never accepted is not lost: a refused connection, or a 503
+    ("not ready", "no available workers"), which a client knows at once and may retry. A
+    request that was accepted and then failed (a reset, a 5xx other than 503, a timeout) is lost.
+    """
+
+    def __init__(self, url: str, clients: int = 2, tokens: int = 30) -> None:
+        import threading
+
+        self.url = url.rstrip("/") + "/generate"
+        self.tokens = tokens
+        self.ok = self.refused = self.unavailable = 0
+        self.lost: list[str] = []
+        self._lock = threading.Lock()
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self.run, daemon=True) for _ in range(clients)]
+
+    def _count(self, what: str, detail: str = "") -> None:
+        with self._lock:
+            if what == "lost":
+                self.lost.append(f"{time.time():.3f} {detail}")
+            else:
+                setattr(self, what, getattr(self, what) + 1)
+
+    def run(self) -> None:
+        import json
+        import urllib.error
+        import urllib.request
+
+        body = json.dumps({"text": "hello", "sampling_params": {"max_new_tokens": self.tokens}}).encode()
+        while not self.stop.is_set():
+            req = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    r.read()
+                    self._count("ok")
+            except urllib.error.HTTPError as e:
+                text = e.read(300).decode(errors="replace")
+                if e.code == 503:
+                    self._count("unavailable")
+                    time.sleep(0.05)
+                else:
+                    self._count("lost", f"{e.code} {text}")
+            except urllib.error.URLError as e:
+                if isinstance(e.reason, ConnectionRefusedError):
+                    self._count("refused")
+                    time.sleep(0.05)
+                else:
+                    self._count("lost", repr(e))
+            except (ConnectionResetError, TimeoutError, OSError) as e:
+                self._count("lost", repr(e))
+
+    def __enter__(self) -> "RequestLoop":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+    def summary(self) -> str:
+        return f"ok {self.ok}, refused {self.refused}, 503 {self.unavailable}, lost {len(self.lost)}: {self.lost[:5]}"

@@ -217,3 +217,51 @@ def test_the_cgroup_v2_line_is_preferred_on_hybrid_hosts() -> None:
 )
 def test_which_bound_addresses_block_which_binds(want: str, have: str, blocked: bool) -> None:
     assert _overlaps(resolve(want), resolve(have)) is blocked
+
+
+def test_listener_ownership_tells_our_listener_from_a_strangers(listen) -> None:  # type: ignore[no-untyped-def]
+    from supervisord_gpu.checks.ports import listener_ownership
+
+    ours = listen("127.0.0.1", 0, workers=1)
+    mine = listener_ownership("127.0.0.1", ours.port, ours.pids)
+    assert mine.ours and mine.foreign == ()
+    stranger = listener_ownership("127.0.0.1", ours.port, [os.getpid()])
+    assert not stranger.ours and {h.pid for h in stranger.foreign} == set(ours.pids)
+    assert "port_hog.py" in stranger.describe_foreign()
+
+
+@pytest.mark.skipif(not ipv6_available(), reason="no IPv6 on this machine")
+def test_an_ipv6_only_listener_on_the_wildcard_counts_against_an_ipv4_server(listen) -> None:  # type: ignore[no-untyped-def]
+    from supervisord_gpu.checks.ports import listener_ownership
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    v6 = subprocess.Popen([sys.executable, "-c", (
+        "import socket, time\ns = socket.socket(socket.AF_INET6)\n"
+        "s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)\n"
+        f"s.bind(('::', {port})); s.listen(); print('up', flush=True); time.sleep(600)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert v6.stdout is not None and v6.stdout.readline().strip() == "up"
+        found = listener_ownership("0.0.0.0", port, [])
+        assert [h.pid for h in found.foreign] == [v6.pid]  # `localhost` clients may resolve to ::1 and reach it
+    finally:
+        v6.kill()
+        v6.wait()
+
+
+@pytest.mark.parametrize("path, owner", [
+    ("/system.slice/dsv4-pd-1p1d-router.scope", Owner("pd-1p1d", "router", "dsv4-pd-1p1d-router.scope")),
+    ("/system.slice/dsv4@pd-1p1d.service", Owner("pd-1p1d", "daemon", "dsv4@pd-1p1d.service")),
+    ("/supervisord-gpu/pd-1p1d/router", Owner("pd-1p1d", "router")),
+    # the same names inside what a user's own systemd manager delegates to them: not ours
+    ("/user.slice/user-1000.slice/user@1000.service/app.slice/dsv4-pd-1p1d-router.scope", None),
+    ("/user.slice/user-1000.slice/user@1000.service/dsv4@pd-1p1d.service", None),
+    ("/user.slice/user-1000.slice/user@1000.service/supervisord-gpu/pd-1p1d/router", None),
+    ("/system.slice/evil.service/dsv4-pd-1p1d-router.scope", None),
+])
+def test_only_a_cgroup_where_only_root_can_put_it_counts_as_ours(path, owner) -> None:  # type: ignore[no-untyped-def]
+    from supervisord_gpu.ownership.names import owner_of_cgroup
+
+    assert owner_of_cgroup(path) == owner

@@ -26,10 +26,12 @@ model_path = "/m"
 [router]
 mode = "pd"
 port = 31002
+[router.options]
+prometheus-port = 31009
 """
 
 
-def setup_dir(tmp_path, profile_text: str, daemon_text: str = "[daemon]\nstrict_modes = false\n"):
+def setup_dir(tmp_path, profile_text: str, daemon_text: str = "[daemon]\n"):
     (tmp_path / "profiles").mkdir(exist_ok=True)
     (tmp_path / "supervisord-gpu.toml").write_text(daemon_text)
     (tmp_path / "profiles" / "p.toml").write_text(textwrap.dedent(profile_text))
@@ -74,6 +76,8 @@ model_path = "/m"
 [router]
 mode = "pd"
 port = 31002
+[router.options]
+prometheus-port = 31009
 """
 
 
@@ -119,7 +123,7 @@ BAD_PROFILES = [
      "router.decode[0]: no server named 'ghost'"),
     ("dependency cycle", GOOD.replace('role = "prefill"', 'role = "prefill"\nafter = ["decode"]')
      .replace('role = "decode"', 'role = "decode"\nafter = ["prefill"]'), "after: dependency cycle: prefill -> decode -> prefill"),
-    ("invalid TOML", GOOD + "\nthis is not toml\n", "is not valid TOML: Expected '=' after a key in a key/value pair (at line 18"),
+    ("invalid TOML", GOOD + "\nthis is not toml\n", "is not valid TOML: Expected '=' after a key in a key/value pair (at line 20"),
     ("context length not a number", GOOD.replace("tp-size = 2", 'tp-size = 2\ncontext-length = "lots"'),
      "servers.prefill.options.context-length: must be a number of tokens"),
     ("abbreviated flag", GOOD.replace("tp-size = 2", "tp_size = 2"), "servers.prefill.options.tp_size: must be a full long option name"),
@@ -127,6 +131,24 @@ BAD_PROFILES = [
     ("too few GPUs for tp", GOOD.replace("tp-size = 2", "tp-size = 4"), "servers.prefill.gpus: lists 2 GPU(s) but the parallelism options need 4"),
     ("negative GPU", GOOD.replace("gpus = [0, 1]", "gpus = [-1, 1]"), "servers.prefill.gpus[0]: must be a GPU index between 0 and 1023"),
     ("no servers", "[router]\nport = 1\n", "servers: is required"),
+    ("port in SGLang's NCCL range", GOOD.replace("port = 31001", "port = 25000"),
+     "servers.decode.port: port 25000 is in SGLang's random NCCL port range 22000-29999"),
+    ("router metrics port left at its default", GOOD.replace("prometheus-port = 31009\n", ""),
+     "router.options.prometheus-port: not set, and the router's default 29000 is in SGLang's random NCCL port range"),
+    ("a dp-attention server's own ports", GOOD.replace("tp-size = 2", "tp-size = 2\nenable-dp-attention = true")
+     .replace("port = 31002", "port = 31233"),
+     "router.port: port 31233 is one of the ports servers.prefill binds with enable-dp-attention (its port +13, +233"),
+    ("readiness probe shorter than SGLang's /health", GOOD.replace('role = "decode"', 'role = "decode"\nprobe = { timeout = 0.5 }'),
+     "servers.decode.probe.timeout: 0.5 s is too short for /health: SGLang answers it with a one-token generation"),
+    ("liveness stricter than SGLang's own verdict", GOOD.replace('role = "decode"',
+     'role = "decode"\nprobe = { liveness_path = "/health", liveness_timeout = 5 }'),
+     "servers.decode.probe.liveness_timeout: 5 s would kill a busy healthy server: SGLang's own /health verdict allows 20 s"),
+    ("a port option that is not a number", GOOD.replace("prometheus-port = 31009", 'prometheus-port = ""'),
+     "router.options.prometheus-port: must be a port number between 1 and 65535, not ''"),
+    ("a port option out of range", GOOD.replace("tp-size = 2", "tp-size = 2\ndisaggregation-bootstrap-port = 70000"),
+     "servers.prefill.options.disaggregation-bootstrap-port: must be a port number between 1 and 65535, not 70000"),
+    ("unknown user", GOOD.replace('role = "decode"', 'role = "decode"\nuser = "no-such-user-here"'),
+     "servers.decode.user: no such user 'no-such-user-here' on this machine"),
 ]
 
 

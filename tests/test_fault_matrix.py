@@ -7,7 +7,7 @@ happen there:
                  stopping: while a server stopped before it takes its time to exit)
     crash-after-own-ready
                  a server crashes once ready itself, while the router waiting for it still starts
-    sigkill      SIGKILL of the main process (its detached scheduler survives it, by design)
+    sigkill      SIGKILL of the main process (its detached scheduler survives it: the orphan case)
     hang         the process stops answering and ignores SIGTERM (SIGSTOP, or hang-on-term)
     slow         start-up past its start_timeout (never-ready) / a SIGTERM exit past stop_timeout
     grandchild   SIGKILL of the detached scheduler that holds the (simulated) GPU memory
@@ -178,7 +178,8 @@ async def all_healthy(instance) -> bool:  # type: ignore[no-untyped-def]
         spec = proc.spec
         if proc.state != State.READY or proc.pid is None or not alive(proc.pid):
             return False
-        if await http_status(spec.probe_host, spec.port, spec.probe.path, 1.0, proc.expected_workers) != 200:
+        # SGLang's /health runs a generation: >= 1 s
+        if await http_status(spec.probe_host, spec.port, spec.probe.path, 5.0, proc.expected_workers) != 200:
             return False
     return True
 
@@ -189,8 +190,8 @@ def profile_for(case: Case, ports: list[int]) -> str:
     sec = section(t)
     if f == "crash" and p == "starting":
         text = with_env(text, t, SUPERVISORD_GPU_STANDIN_FAULT="crash-on-start")
-    elif f == "crash" and p == "ready":  # after the router (~1.7 s to ready) is up
-        text = with_env(text, t, SUPERVISORD_GPU_STANDIN_FAULT="crash-after-ready:3")
+    elif f == "crash" and p == "ready":  # after the router is up and the test saw all healthy (/health: >= 1 s each)
+        text = with_env(text, t, SUPERVISORD_GPU_STANDIN_FAULT="crash-after-ready:8")
     elif f == "crash-after-own-ready":  # before the router is up
         text = with_env(text, t, SUPERVISORD_GPU_STANDIN_FAULT="crash-after-ready:0.3")
     elif f == "crash" and p == "stopping":
@@ -198,13 +199,17 @@ def profile_for(case: Case, ports: list[int]) -> str:
         # takes its time to exit (a slow graceful SIGTERM path)
         other = "decode" if t == "prefill" else "prefill"
         text = f'stop_order = ["router", "{other}", "{t}"]\n' + text
-        text = with_env(text, t, SUPERVISORD_GPU_STANDIN_FAULT="crash-after-ready:2.5")
-        text = with_env(text, other, SUPERVISORD_GPU_STANDIN_FAULT="exit-on-term-slow:4")
-    elif f in ("sigkill", "grandchild") and p == "starting" and t != "router":
-        text = with_env(text, t, SUPERVISORD_GPU_STANDIN_STARTUP_S="2")
-    elif f == "sigkill" and p == "stopping":
-        if t != "router":
-            text = with_env(text, t, SUPERVISORD_GPU_STANDIN_FAULT="hang-on-term")
+        text = with_env(text, t, SUPERVISORD_GPU_STANDIN_FAULT="crash-after-ready:7")
+        text = with_env(text, other, SUPERVISORD_GPU_STANDIN_FAULT="exit-on-term-slow:9")
+    elif f in ("sigkill", "grandchild") and t != "router":
+        # the orphan cases: schedulers that escaped into their own session (SGLang's usual ones
+        # are children with PDEATHSIG), so only the cgroup can still reach them
+        env = {"SUPERVISORD_GPU_STANDIN_SCHEDULERS": "detached"}
+        if p == "starting":
+            env["SUPERVISORD_GPU_STANDIN_STARTUP_S"] = "2"
+        if f == "sigkill" and p == "stopping":
+            env["SUPERVISORD_GPU_STANDIN_FAULT"] = "hang-on-term"
+        text = with_env(text, t, **env)
     elif f == "hang":
         if p == "starting":
             text = tune(text, sec, start_timeout=2)
@@ -246,8 +251,12 @@ async def run_engine_case(case: Case, tmp: Path, cgroups, made: list) -> tuple[s
             with steal(port):
                 with pytest.raises(StartError) as info:
                     await asyncio.wait_for(instance.start(), 60)  # no preflight: it was "free" when checked
-            message = str(info.value)
-            assert message.startswith(f"{t}: exited during start-up"), message
+            message = str(info.value)  # a stranger on the port: never reported ready, and named
+            if t == "router":  # it binds at once and exits 1; we name who holds the port
+                assert message.startswith(f"{t}: exited during start-up (exit code 1: its port was taken: "), message
+            else:  # SGLang's port opens only after the load; the stranger is found listening first
+                assert message.startswith(f"{t}: port 127.0.0.1:{port} is held by pid {os.getpid()}"), message
+            assert f"pid {os.getpid()}" in message and "(foreign)" in message, message
         elif f == "crash-after-own-ready":
             # hold the router (which waits for the servers) until the victim has crashed twice, so the
             # crashes surely come while the instance is starting, whatever the router's start-up time
@@ -271,7 +280,8 @@ async def run_engine_case(case: Case, tmp: Path, cgroups, made: list) -> tuple[s
             with pytest.raises(StartError) as info:
                 await asyncio.wait_for(instance.start(), 60)
             message = str(info.value)
-            why = "exited during start-up (exit code 1)" if f == "crash" else "not ready within its start_timeout of 2 s"
+            why = ("exited during start-up (crashed: SGLang killed itself after a scheduler failed: RuntimeError: "
+                   "injected fault crash-on-start" if f == "crash" else "not ready within its start_timeout of 2 s")
             assert message.startswith(f"{t}: {why}"), message
         elif f == "sigkill":
             async def inject() -> None:
@@ -316,7 +326,8 @@ async def run_engine_case(case: Case, tmp: Path, cgroups, made: list) -> tuple[s
         if f == "crash":
             await asyncio.wait_for(instance.failed.wait(), 60)
             assert instance.state == State.FAILED
-            assert instance.reason.startswith(f"{t} exit code 1; restart limit reached (2/2"), instance.reason
+            assert instance.reason.startswith(f"{t} crashed: SGLang killed itself after a scheduler failed"), instance.reason
+            assert "restart limit reached (2/2" in instance.reason, instance.reason
             return instance.state.value, instance.reason
         if f == "sigkill":
             orphans = holder_of(tmp, GPU_OF[t]) if t != "router" else []
@@ -349,7 +360,7 @@ async def run_engine_case(case: Case, tmp: Path, cgroups, made: list) -> tuple[s
     # ---------------------------------------------------------------- stopping
     if f == "crash":
         took = await instance.stop()
-        assert victim.last_exit == "exit code 1", victim.last_exit
+        assert victim.last_exit.startswith("crashed: SGLang killed itself after a scheduler failed"), victim.last_exit
         assert victim.restarts_total == 0 and instance.state == State.STOPPED
         return "stopped", f"{t} crashed while stopping; stopped in {took:.1f} s"
     if f == "sigkill":

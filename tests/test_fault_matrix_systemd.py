@@ -53,7 +53,7 @@ THIEF = ["systemd-run", "--unit=thief", "--collect", "python3", "-c",
          "    except OSError:\n"
          "        s.close(); time.sleep(0.005)\n"
          "time.sleep(3600)\n"]
-PROBE = {"timeout": 0.5, "liveness_interval": 0.3, "failures": 2}
+PROBE = {"timeout": 3, "liveness_timeout": 0.5, "liveness_interval": 0.3, "failures": 2}
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ mode = "pd"
 port = 31002
 [router.options]
 policy = "round_robin"
+prometheus-port = 31009
 """.splitlines()
 
 odd_text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=12)
@@ -95,7 +96,7 @@ def run_cli(argv: list[str]) -> tuple[int, str, str]:
 def config_dir():  # type: ignore[no-untyped-def]
     d = Path(tempfile.mkdtemp(prefix="gpusup-fuzz-"))
     (d / "profiles").mkdir()
-    (d / "supervisord-gpu.toml").write_text("[daemon]\nstrict_modes = false\n[rehearsal]\nsimgpu_dir = \"%s\"\n" % (d / "sim"))
+    (d / "supervisord-gpu.toml").write_text("[rehearsal]\nsimgpu_dir = \"%s\"\n" % (d / "sim"))
     return d
 
 

@@ -286,7 +286,8 @@ def test_every_dashboard_expression_is_valid_promql(tmp_path):
 
 def test_the_scrape_example_scrapes_the_supervisor_the_servers_and_the_router():
     text = SCRAPE_EXAMPLE.read_text()
-    for target in ("127.0.0.1:9464", "127.0.0.1:30100", "127.0.0.1:30200", "127.0.0.1:30001", "127.0.0.1:29001"):
+    for target in ("127.0.0.1:9464", "127.0.0.1:30100", "127.0.0.1:30200", "127.0.0.1:30300", "127.0.0.1:30091",
+                   "127.0.0.1:30092"):
         assert f"'{target}'" in text or f'"{target}"' in text or f"- {target}" in text, target
     result = subprocess.run([promtool(), "check", "config", "--syntax-only", str(SCRAPE_EXAMPLE)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -14,7 +14,7 @@ import pytest
 from supervisord_gpu.errors import OwnershipError
 from supervisord_gpu.ownership.base import SpawnRequest
 from supervisord_gpu.ownership.cgroupfs import CgroupfsDriver
-from support import alive, free_ports, pd_profile, sim_holders, write_config
+from support import alive, free_ports, pd_profile, sim_holders, with_env, write_config
 
 # A child that double-forks into a new session (re-parented to PID 1) and reports the grandchild's pid.
 ESCAPER = """
@@ -91,8 +91,9 @@ def test_leftovers_are_refused_with_a_clear_message_when_configured(cgroups):
 
 
 def test_kill_9_of_the_daemon_leaves_no_child_running(tmp_path, cgroups, decoy):
-    cdir = write_config(tmp_path, {"pd": pd_profile(free_ports(5))}, cgroups.root, startup=0.3,
-                        extra="")
+    detached = {"SUPERVISORD_GPU_STANDIN_SCHEDULERS": "detached"}  # escaped to PID 1: only the cgroup reaches them
+    text = with_env(with_env(pd_profile(free_ports(5)), "prefill", **detached), "decode", **detached)
+    cdir = write_config(tmp_path, {"pd": text}, cgroups.root, startup=0.3)
     argv = [sys.executable, "-m", "supervisord_gpu.cli.daemon", "run", "pd", "--config-dir", str(cdir), "--rehearsal", "--stderr"]
     env = {**os.environ, "DBUS_SYSTEM_BUS_ADDRESS": "unix:path=/nonexistent"}
     first = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pwd
 import urllib.request
 
 import psutil
@@ -59,17 +60,30 @@ def test_children_run_as_the_profile_user_not_root(cgroups):
     for d in (tmp_path / "simgpu", tmp_path / "simgpu" / "holders"):
         os.chmod(d, 0o1777)  # the stand-in (as nobody) records its simulated GPU memory there
 
-    async def go() -> tuple[set[int], int]:
+    async def go() -> tuple[set[int], set[tuple[int, ...]], dict[str, str], int]:
         await instance.start()
-        main = psutil.Process(instance.processes["server"].pid)
-        uids = {p.uids().real for p in [main, *main.children(recursive=True)]}
-        uids |= {psutil.Process(pid).uids().real for pid in instance.processes["server"].spawned.group.pids()}
+        procs = [psutil.Process(pid) for pid in instance.processes["server"].spawned.group.pids()]
+        uids = {p.uids().real for p in procs}
+        groups = {(p.gids().real, *sorted(_supplementary(p.pid))) for p in procs}
+        env = procs[0].environ()
         await instance.stop()
-        return uids, os.getuid()
+        return uids, groups, env, os.getuid()
 
     try:
-        uids, me = asyncio.run(go())
+        uids, groups, env, me = asyncio.run(go())
     finally:
         shutil.rmtree(tmp_path, ignore_errors=True)
-    assert uids == {65534}, uids
+    nobody = pwd.getpwnam("nobody")
+    assert uids == {nobody.pw_uid}, uids
+    # its own group and supplementary groups, never root's group 0 or root's groups
+    assert groups == {(nobody.pw_gid, *sorted(os.getgrouplist("nobody", nobody.pw_gid)))}, groups
+    assert env["HOME"] == nobody.pw_dir and env["USER"] == env["LOGNAME"] == "nobody"
     assert me == 0
+
+
+def _supplementary(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Groups:"):
+                return [int(g) for g in line.split()[1:]]
+    return []

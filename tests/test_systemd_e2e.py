@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 
 from box import box, ours, stand_ins  # noqa: F401  (box is a fixture)
+from support import wait_for
 
 
 def test_start_blocks_until_all_three_are_ready_then_stop_is_ordered_and_complete(box):
@@ -131,4 +132,68 @@ def test_restart_on_failure_skips_what_a_retry_cannot_fix(box, why, status, retr
     restarts = int(box.systemctl("show", "-P", "NRestarts", "dsv4@tp4-512k").stdout.strip())
     assert (restarts > 0) == retried, f"NRestarts={restarts}"
     box.systemctl("stop", "dsv4@tp4-512k", check=False)
+    assert ours(box) == [] and stand_ins(box) == []
+
+
+# --------------------------------------------------------------------------- SGLang's own dynamics
+
+
+def test_a_load_printing_only_carriage_returns_passes_a_start_window_a_third_its_length(box):
+    """SGLang's long phases are tqdm bars (`\\r` updates, no `\\n` for minutes): any output is progress."""
+    box.install(startup=12.0, stall=3.0, unit_extra="TimeoutStartSec=4\nRestart=no\n")
+    began = time.monotonic()
+    box.systemctl("start", "dsv4@tp4-512k", timeout=90)
+    assert time.monotonic() - began >= 12.0
+    assert box.is_active("dsv4@tp4-512k") == "active"
+    box.systemctl("stop", "dsv4@tp4-512k", timeout=60)
+
+
+def test_a_silent_hang_during_the_load_still_fails_within_the_stall_timeout(box):
+    box.install(startup=1.0, stall=3.0, unit_extra="TimeoutStartSec=4\nRestart=no\n")
+    path = "/etc/supervisord-gpu/profiles/tp4-512k.toml"
+    box.write_file(path, box.read_file(path).replace(
+        "[servers.server.options]", '[servers.server.env]\nSUPERVISORD_GPU_STANDIN_SILENT_S = "120"\n[servers.server.options]'))
+    began = time.monotonic()
+    assert box.systemctl("start", "dsv4@tp4-512k", check=False, timeout=90).returncode != 0
+    assert time.monotonic() - began < 3.0 + 4 + 5 + 5  # stall + TimeoutStartSec + the extension's margin + slack
+    assert ours(box) == [] and stand_ins(box) == []
+
+
+def test_a_stranger_taking_the_port_while_the_server_loads_fails_the_start_and_ready_is_never_sent(box):
+    box.install(startup=4.0, unit_extra="Restart=no\n")
+    box.systemctl("start", "--no-block", "dsv4@tp4-512k")
+    wait_for(lambda: "loading weights" in box.systemctl("show", "-P", "StatusText", "dsv4@tp4-512k").stdout, 30,
+             "the server to be loading")
+    box.run(["systemd-run", "--unit=squatter", "--collect", "-p", "User=nobody", "python3", "-c",
+             "import http.server as h\nclass H(h.BaseHTTPRequestHandler):\n def do_GET(s):\n  s.send_response(200); s.end_headers()\n"
+             "h.HTTPServer(('127.0.0.1', 30300), H).serve_forever()"])
+    states = []
+    wait_for(lambda: states.append(box.is_active("dsv4@tp4-512k")) or states[-1] in ("failed", "inactive"), 90,
+             "the start to fail")
+    assert "active" not in states
+    status = box.systemctl("show", "-P", "StatusText", "dsv4@tp4-512k").stdout
+    assert "30300 is held by pid" in status and "(user nobody)" in status and "squatter.service" in status, status
+    journal = box.journal("dsv4@tp4-512k")
+    assert "instance ready" not in journal and "Started supervisord-gpu instance" not in journal
+    box.systemctl("stop", "squatter", check=False)
+    assert ours(box) == [] and stand_ins(box) == []
+
+
+def test_a_server_that_kills_its_process_group_is_restarted_its_errors_are_errors_and_the_daemon_lives(box):
+    box.install(startup=0.5, unit_extra="Restart=no\n")
+    path = "/etc/supervisord-gpu/profiles/tp4-512k.toml"
+    box.write_file(path, box.read_file(path).replace("max_restarts = 5", "max_restarts = 1").replace(
+        "[servers.server.options]", '[servers.server.env]\nSGLANG_KILLPG_ON_SCHEDULER_EXCEPTION = "1"\n'
+        'SUPERVISORD_GPU_STANDIN_FAULT = "crash-after-ready:2"\n[servers.server.options]'))
+    box.systemctl("start", "dsv4@tp4-512k", timeout=90)
+    daemon = box.systemctl("show", "-P", "MainPID", "dsv4@tp4-512k").stdout.strip()
+    wait_for(lambda: "restart 1/1" in box.journal("dsv4@tp4-512k"), 30, "the first restart")
+    assert box.systemctl("show", "-P", "MainPID", "dsv4@tp4-512k").stdout.strip() == daemon  # the group kill missed it
+    wait_for(lambda: box.is_active("dsv4@tp4-512k") == "failed", 60, "the restart limit")
+    assert box.systemctl("show", "-P", "ExecMainStatus", "dsv4@tp4-512k").stdout.strip() == "1"  # its own verdict
+    errors = box.journal("dsv4@tp4-512k", "-p", "err", "GPUSUP_PROCESS=server")
+    assert "Scheduler hit an exception" in errors, errors  # SGLang prints no level name: classified by what it says
+    assert "crashed: SGLang killed itself after a scheduler failed" in box.journal("dsv4@tp4-512k")
+    router = box.journal("dsv4@tp4-512k", "GPUSUP_PROCESS=router", "-o", "json")
+    assert router and "\\u001b" not in router and "\x1b" not in router  # the router's colour codes are gone
     assert ours(box) == [] and stand_ins(box) == []

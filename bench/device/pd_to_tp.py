@@ -64,7 +64,6 @@ def write_config(cdir: Path, n: int) -> None:
 [daemon]
 ownership = "cgroupfs"
 runtime_dir = "/tmp/gpusup-run"
-strict_modes = false
 [sglang]
 server_command = {json.dumps(standin)}
 router_command = {json.dumps(router)}
@@ -103,7 +102,7 @@ host = "0.0.0.0"
 port = 30001
 [router.options]
 prometheus-host = "127.0.0.1"
-prometheus-port = 29001
+prometheus-port = 30091
 """)
     (cdir / "profiles" / "tp.toml").write_text(f"""
 [servers.server]

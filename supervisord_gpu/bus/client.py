@@ -190,9 +190,13 @@ def follow(bus, instance: str, action: str, timeout: float, show) -> str:  # typ
             show(f"{stamp()}    {process}: {message}")
 
     seen_activating = [False]
+    # Only from their real senders: any local user may emit a PropertiesChanged for our unit's
+    # path or a StateChanged; the bus delivers a match on a well-known name only from its owner.
     subs = [
-        bus.subscribe(object=path, iface="org.freedesktop.DBus.Properties", signal="PropertiesChanged", signal_fired=on_unit),
-        bus.subscribe(iface=names.INTERFACE, signal=names.SIGNAL_STATE_CHANGED, signal_fired=on_instance),
+        bus.subscribe(sender=names.SYSTEMD_BUS, object=path, iface="org.freedesktop.DBus.Properties",
+                      signal="PropertiesChanged", signal_fired=on_unit),
+        bus.subscribe(sender=names.bus_name(instance), object=names.OBJECT_PATH, iface=names.INTERFACE,
+                      signal=names.SIGNAL_STATE_CHANGED, signal_fired=on_instance),
     ]
     GLib.timeout_add(int(timeout * 1000), loop.quit)
     getattr(sd, action)(instance)

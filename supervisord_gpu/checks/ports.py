@@ -134,6 +134,80 @@ def listener_pids(host: str, port: int) -> tuple[list[int], list[int]]:
     return sorted({p for pids in pids_by_inode.values() for p in pids}), sorted(set(socks.values()))
 
 
+@dataclass(frozen=True)
+class ListenerOwnership:
+    """Who listens on a port a process of ours should be serving: what readiness may trust.
+
+    ours: a listener overlapping the address is held by one of our process's PIDs;
+    foreign: everyone else listening there, named (an IPv6 listener counts for an IPv4
+    address and the other way round: clients of `localhost` reach either).
+    """
+
+    ours: bool
+    foreign: tuple[Holder, ...] = ()
+    foreign_uids: tuple[int, ...] = ()
+
+    def describe_foreign(self) -> str:
+        if self.foreign:
+            return " and ".join(h.describe() for h in self.foreign)
+        if self.foreign_uids:
+            return "a process of uid " + ", ".join(map(str, self.foreign_uids)) + " that cannot be seen from here"
+        return ""
+
+
+def listener_ownership(host: str, port: int, our_pids: Iterable[int]) -> ListenerOwnership:
+    """Which of the listeners on host:port (either address family) belong to `our_pids`.
+
+    The kernel's socket tables give the listening sockets and their inodes; our processes'
+    /proc/PID/fd say which inodes are theirs (a few PIDs: cheap). Only the foreign ones are
+    mapped to PIDs by the walk over /proc, and only when there are any.
+    """
+    try:
+        want = resolve(host)
+    except (OSError, ValueError):
+        return ListenerOwnership(False)
+    listening = {inode: uid for addr, sport, state, uid, inode in _sockets_on_ports({port})
+                 if state == _LISTEN and inode and _overlaps_any_family(want, addr)}
+    if not listening:
+        return ListenerOwnership(False)
+    mine = _socket_inodes_of(our_pids) & listening.keys()
+    others = {inode: uid for inode, uid in listening.items() if inode not in mine}
+    if not others:
+        return ListenerOwnership(bool(mine))
+    pids = sorted({pid for ps in _pids_of_inodes(set(others)).values() for pid in ps})
+    holders = tuple(describe_pid(pid) for pid in pids)
+    return ListenerOwnership(bool(mine), holders, () if pids else tuple(sorted(set(others.values()))))
+
+
+def _socket_inodes_of(pids: Iterable[int]) -> set[int]:
+    inodes: set[int] = set()
+    for pid in pids:
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"{fd_dir}/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(int(link[8:-1]))
+    return inodes
+
+
+def _overlaps_any_family(want: _IPAddress, have: _IPAddress) -> bool:
+    """Like _overlaps, but a listener of the other family counts where clients could reach it
+    instead of us: either side a wildcard, or both loopback (`localhost` may be ::1 or 127.0.0.1)."""
+    if _overlaps(want, have):
+        return True
+    want, have = _unmap(want), _unmap(have)
+    if want.version == have.version:
+        return False
+    return want.is_unspecified or have.is_unspecified or (want.is_loopback and have.is_loopback)
+
+
 def _blocking_sockets(wanted: list[tuple[str, int]]) -> dict[tuple[str, int], dict[int, int]]:
     """For each (host, port): {inode: uid} of the sockets that block a bind there.
 

@@ -159,8 +159,8 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     if cgroup_root is None and mount is not None:
         cgroup_root = str(mount / "supervisord-gpu-rehearsal" / "supervisord-gpu")
     ownership = cfg.ownership if cfg.ownership != "systemd" else "auto"
-    cfg = dataclasses.replace(cfg, runtime_dir=Path(runtime), rehearsal=rehearsal,
-                              cgroup_root=cgroup_root, ownership=ownership, strict_modes=False)
+    cfg = dataclasses.replace(cfg, runtime_dir=Path(runtime), cache_dir=Path(runtime) / "cache", rehearsal=rehearsal,
+                              cgroup_root=cgroup_root, ownership=ownership)
     profile = load_profile(cfg, args.name)
     t0 = time.monotonic()
     out = sys.stdout

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,9 @@ from .model import (
     RehearsalConfig,
     RestartPolicy,
 )
-from .tables import Table, type_name
+from ..sglang import timing
+from .tables import MAX_PORT, Table, type_name
+from .trust import check_modes
 
 DEFAULT_CONFIG_DIR = Path("/etc/supervisord-gpu")
 CONFIG_DIR_ENV = "SUPERVISORD_GPU_CONFIG_DIR"
@@ -39,6 +40,15 @@ DAEMON_FILE = "supervisord-gpu.toml"
 MAX_GPU_INDEX = 1023
 MAX_PROCESSES = 256
 ROUTER = "router"
+
+#: readiness: SGLang's deep /health (>= 1 s, SGLang itself gives up at 20 s); liveness: its cheap /ready.
+#: A hung server is killed within 3 x (10 + 20) = 90 s, well inside SGLang's own 300 s watchdog.
+SERVER_PROBE = Probe(path="/health", interval_s=0.5, timeout_s=timing.HEALTH_VERDICT_S + 5,
+                     liveness_path=timing.CHEAP_STATUS_PATH, liveness_interval_s=10.0,
+                     liveness_timeout_s=timing.HEALTH_VERDICT_S, failures=3)
+#: the router: /readiness (all workers healthy) and /liveness, both instant
+ROUTER_PROBE = Probe(path="/readiness", interval_s=0.2, timeout_s=5.0, liveness_path="/liveness",
+                     liveness_interval_s=10.0, liveness_timeout_s=10.0, failures=3)
 
 OPTION_KEY_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -72,11 +82,14 @@ def resolve_config_dir(cli_value: str | None = None) -> Path:
     return Path(env) if env else DEFAULT_CONFIG_DIR
 
 
-def read_toml(path: Path, strict_modes: bool = False) -> dict[str, Any]:
-    """Parse one TOML file; every way it can be unreadable becomes a ConfigError."""
+def read_toml(path: Path) -> dict[str, Any]:
+    """Parse one TOML file; every way it can be unreadable becomes a ConfigError.
+
+    As root, a file another user could have written is refused before it is read (see
+    config/trust.py): its commands, users and environment would run as root.
+    """
     try:
-        if strict_modes:
-            check_modes(path)
+        check_modes(path)
         data = path.read_bytes()
     except ConfigError:
         raise
@@ -101,30 +114,13 @@ def read_toml(path: Path, strict_modes: bool = False) -> dict[str, Any]:
         raise ConfigError(path, "", "is not valid TOML: nested too deeply")
 
 
-def check_modes(path: Path) -> None:
-    """Refuse files a non-root user could have written, as sshd's StrictModes does."""
-    if os.geteuid() != 0:
-        return
-    for target in (path, path.parent):
-        try:
-            st = target.stat()
-        except OSError:
-            continue
-        if st.st_uid != 0 or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise ConfigError(
-                target,
-                "",
-                f"is writable by non-root users (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}); "
-                f"refusing to run it as root: chown root {target} && chmod go-w {target}",
-            )
-
-
 # ----------------------------------------------------------------------------- daemon config
 
 
 def load_daemon_config(config_dir: Path | str | None = None) -> DaemonConfig:
     cdir = resolve_config_dir(str(config_dir) if config_dir else None)
     path = cdir / DAEMON_FILE
+    check_modes(cdir)
     if not path.exists():
         if not cdir.is_dir():
             raise ConfigError(cdir, "", "config directory does not exist (use --config-dir or SUPERVISORD_GPU_CONFIG_DIR)")
@@ -136,8 +132,11 @@ def load_daemon_config(config_dir: Path | str | None = None) -> DaemonConfig:
     cgroup_root = d.str("cgroup_root", None)
     leftovers = d.str("leftovers", "clean", choices=("clean", "refuse"))
     runtime_dir = Path(d.str("runtime_dir", "/run/supervisord-gpu"))
+    cache_dir = Path(d.str("cache_dir", "/var/cache/supervisord-gpu"))
     default_user = d.str("default_user", None)
-    strict_modes = d.bool("strict_modes", True)
+    if d.bool("strict_modes", True) is False:
+        raise d.error("strict_modes", "can no longer be turned off: every file and directory the daemon reads must "
+                                      "be root's and writable only by root (remove the key)")
     control_group = d.str("control_group", "gpusup")
     stall = d.number("start_stall_timeout", 120.0, lo=1.0, hi=86400)
     d.finish()
@@ -187,8 +186,8 @@ def load_daemon_config(config_dir: Path | str | None = None) -> DaemonConfig:
         cgroup_root=cgroup_root,
         leftovers=leftovers,
         runtime_dir=runtime_dir,
+        cache_dir=cache_dir,
         default_user=default_user,
-        strict_modes=strict_modes,
         control_group=control_group,
         start_stall_timeout_s=stall,
         sglang_command=server_command,
@@ -239,7 +238,7 @@ def profile_path(cfg: DaemonConfig, name: str) -> Path:
 
 def load_profile(cfg: DaemonConfig, name: str) -> Profile:
     path = profile_path(cfg, name)
-    return parse_profile(name, path, read_toml(path, strict_modes=cfg.strict_modes), cfg.default_user)
+    return parse_profile(name, path, read_toml(path), cfg.default_user)
 
 
 def parse_profile(name: str, path: Path, data: dict[str, Any], default_user: str | None = None) -> Profile:
@@ -333,21 +332,37 @@ def _common(t: Table, defaults: dict[str, Any], start_default: float, stop_defau
     }
 
 
-def _probe(t: Table, path_default: str, interval_default: float, liveness_default: str) -> Probe:
+def _probe(t: Table, defaults: Probe, server: bool) -> Probe:
     p = t.table("probe")
     probe = Probe(
-        path=p.str("path", path_default),
-        interval_s=p.number("interval", interval_default, lo=0.01, hi=600),
-        timeout_s=p.number("timeout", 5.0, lo=0.05, hi=600),
-        liveness_path=p.str("liveness_path", liveness_default),
-        liveness_interval_s=p.number("liveness_interval", 10.0, lo=0.05, hi=86400),
-        failures=p.int("failures", 3, lo=1, hi=1000),
+        path=p.str("path", defaults.path),
+        interval_s=p.number("interval", defaults.interval_s, lo=0.01, hi=600),
+        timeout_s=p.number("timeout", defaults.timeout_s, lo=0.05, hi=600),
+        liveness_path=p.str("liveness_path", defaults.liveness_path),
+        liveness_interval_s=p.number("liveness_interval", defaults.liveness_interval_s, lo=0.05, hi=86400),
+        liveness_timeout_s=p.number("liveness_timeout", defaults.liveness_timeout_s, lo=0.05, hi=600),
+        failures=p.int("failures", defaults.failures, lo=1, hi=1000),
     )
     for key, value in (("path", probe.path), ("liveness_path", probe.liveness_path)):
         if not value.startswith("/"):
             raise p.error(key, f"must start with '/', not {value!r}")
+    if server:
+        _never_stricter_than_sglang(p, probe)
     p.finish()
     return probe
+
+
+def _never_stricter_than_sglang(p: Table, probe: Probe) -> None:
+    """A probe SGLang cannot pass while healthy is a configuration error, not a restart loop."""
+    if probe.path in timing.DEEP_HEALTH_PATHS and probe.timeout_s <= timing.HEALTH_MIN_S:
+        raise p.error("timeout", f"{probe.timeout_s:g} s is too short for {probe.path}: SGLang answers it with a "
+                                 f"one-token generation that takes at least {timing.HEALTH_MIN_S:g} s "
+                                 f"(default {SERVER_PROBE.timeout_s:g} s)")
+    if probe.liveness_path in timing.DEEP_HEALTH_PATHS and probe.liveness_timeout_s < timing.HEALTH_VERDICT_S:
+        raise p.error("liveness_timeout", f"{probe.liveness_timeout_s:g} s would kill a busy healthy server: "
+                                          f"SGLang's own {probe.liveness_path} verdict allows {timing.HEALTH_VERDICT_S:g} s; "
+                                          f"use liveness_path = \"{timing.CHEAP_STATUS_PATH}\" (the default) or a "
+                                          f"liveness_timeout of at least {timing.HEALTH_VERDICT_S:g}")
 
 
 def _server(path: Path, name: str, data: Any, defaults: dict[str, Any], default_env: tuple) -> ProcessSpec:
@@ -369,7 +384,7 @@ def _server(path: Path, name: str, data: Any, defaults: dict[str, Any], default_
     if not model_path.strip():
         raise t.error("model_path", "must not be empty")
     common = _common(t, defaults, 900.0, 60.0)
-    probe = _probe(t, "/health", 0.5, "/health")
+    probe = _probe(t, SERVER_PROBE, server=True)
     options = _options(t.table("options"), SERVER_MANAGED)
     env = default_env + _env(t.table("env"))
     t.finish()
@@ -442,7 +457,7 @@ def _router(path: Path, data: Any, servers: list[ProcessSpec], defaults: dict[st
     common = _common(t, defaults, 120.0, 200.0)
     fronted = workers + prefill + decode
     # Liveness on /liveness, not /readiness: a restarting worker must not get the router restarted too.
-    probe = _probe(t, "/readiness", 0.2, "/liveness")
+    probe = _probe(t, ROUTER_PROBE, server=False)
     options = _options(t.table("options"), ROUTER_MANAGED)
     env = default_env + _env(t.table("env"))
     t.finish()
@@ -479,6 +494,9 @@ def _options(t: Table, managed: dict[str, str]) -> tuple[tuple[str, OptionValue]
             raise ConfigError(t.path, key, f"is set by the profile key {managed[k]!r}; remove it from options")
         if k == "context-length":
             v = parse_context_length(t.path, key, v)
+        elif k.endswith("-port"):  # prometheus-port, disaggregation-bootstrap-port, nccl-port, ...
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_PORT:
+                raise ConfigError(t.path, key, f"must be a port number between 1 and {MAX_PORT}, not {v!r}")
         elif isinstance(v, list):
             if not all(isinstance(x, (str, int, float)) and not isinstance(x, bool) for x in v):
                 raise ConfigError(t.path, key, "a list option may hold only strings and numbers")
@@ -542,12 +560,38 @@ def _hosts_overlap(a: str, b: str) -> bool:
 def _check_ports(path: Path, specs: list[ProcessSpec]) -> None:
     seen: list[tuple[str, int, str, str]] = []
     for s in specs:
-        where = ROUTER if s.kind == "router" else f"servers.{s.name}"
         for listen in s.listens():
             for host, port, label, other_where in seen:
                 if port == listen.port and _hosts_overlap(host, listen.host):
-                    raise ConfigError(path, f"{where}.port", f"port {port} ({listen.label}) is also used by {label} ({other_where})")
-            seen.append((listen.host, listen.port, listen.label, where))
+                    raise ConfigError(path, f"{s.key}.port", f"port {port} ({listen.label}) is also used by {label} ({other_where})")
+            seen.append((listen.host, listen.port, listen.label, s.key))
+    _check_sglang_ports(path, specs)
+
+
+def _check_sglang_ports(path: Path, specs: list[ProcessSpec]) -> None:
+    """Refuse ports SGLang may take by itself: a collision would surface minutes into a start.
+
+    Every server without --nccl-port picks its NCCL port at random in 22000-29999 (the router's
+    default metrics port 29000 is in it), and a dp-attention server also binds its port + 13
+    and + 233..239. We refuse rather than pin: a pinned --nccl-port is a port of its own that could
+    collide with a server of another profile, while a port outside SGLang's ranges cannot.
+    """
+    reserved = {s.port + off: s for s in specs if s.kind == "server" and s.option("enable-dp-attention") is True
+                for off in timing.DP_ATTENTION_PORT_OFFSETS}
+    nccl = timing.NCCL_RANDOM_PORTS
+    for s in specs:
+        for listen in s.listens():
+            if listen.port in nccl:
+                unset = listen.label.endswith("metrics") and s.option("prometheus-port") is None
+                what = f"not set, and the router's default {listen.port}" if unset else f"port {listen.port}"
+                raise ConfigError(path, listen.key, f"{what} is in SGLang's random NCCL port range "
+                                                    f"{nccl.start}-{nccl.stop - 1}: a server may take it first; "
+                                                    "set a port outside that range")
+            other = reserved.get(listen.port)
+            if other is not None and other is not s:
+                offsets = ", ".join(f"+{o}" for o in timing.DP_ATTENTION_PORT_OFFSETS)
+                raise ConfigError(path, listen.key, f"port {listen.port} is one of the ports {other.key} binds with "
+                                                    f"enable-dp-attention (its port {offsets})")
 
 
 _START_RANK = {"prefill": 0, "regular": 1, "decode": 2, "router": 3}

@@ -13,15 +13,28 @@ Role = Literal["regular", "prefill", "decode", "router"]
 
 @dataclass(frozen=True)
 class Probe:
-    """How readiness is observed: an HTTP GET that must answer 200."""
+    """How readiness is observed (an HTTP GET that must answer 200), and liveness after it.
+
+    Servers: readiness is SGLang's deep check (/health runs a one-token generation, >= 1 s,
+    up to SGLang's own 20 s verdict), liveness its cheap status check (/ready): a busy
+    healthy server is slow to generate but quick to say it is up. Routers: /readiness
+    (all workers healthy) and /liveness.
+    """
 
     path: str
     interval_s: float
     timeout_s: float
-    #: after ready: probed every liveness_interval_s; `failures` misses in a row kill the cgroup (then restart)
-    liveness_path: str = "/health"
+    #: after ready: probed every liveness_interval_s; `failures` misses in a row kill the cgroup (then restart).
+    #: A hung or SIGSTOPped process is killed within failures x (liveness_interval_s + liveness_timeout_s).
+    liveness_path: str = "/ready"
     liveness_interval_s: float = 10.0
+    liveness_timeout_s: float = 20.0
     failures: int = 3
+
+    @property
+    def liveness_bound_s(self) -> float:
+        """The longest a process that stopped answering stays up before it is killed."""
+        return self.failures * (self.liveness_interval_s + self.liveness_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,8 @@ class Listen:
     host: str
     port: int
     label: str
+    #: the profile key that sets it ("servers.prefill.port"), for error messages
+    key: str = ""
 
 
 @dataclass(frozen=True)
@@ -94,16 +109,23 @@ class ProcessSpec:
             return None
         return int(self.option("disaggregation-bootstrap-port", 8998))  # type: ignore[arg-type]
 
+    @property
+    def key(self) -> str:
+        """Where this process is in its profile: "router" or "servers.NAME"."""
+        return "router" if self.kind == "router" else f"servers.{self.name}"
+
     def listens(self) -> tuple[Listen, ...]:
-        out = [Listen(self.host, self.port, self.name)]
+        out = [Listen(self.host, self.port, self.name, f"{self.key}.port")]
         if self.role == "prefill":
-            out.append(Listen(self.host, self.bootstrap_port or 8998, f"{self.name} bootstrap"))
+            out.append(Listen(self.host, self.bootstrap_port or 8998, f"{self.name} bootstrap",
+                              f"{self.key}.options.disaggregation-bootstrap-port"))
         if self.kind == "router":
             out.append(
                 Listen(
                     str(self.option("prometheus-host", "0.0.0.0")),
                     int(self.option("prometheus-port", 29000)),  # type: ignore[arg-type]
                     f"{self.name} metrics",
+                    f"{self.key}.options.prometheus-port",
                 )
             )
         return tuple(out)
@@ -196,8 +218,9 @@ class DaemonConfig:
     cgroup_root: str | None = None
     leftovers: Literal["clean", "refuse"] = "clean"
     runtime_dir: Path = Path("/run/supervisord-gpu")
+    #: persistent compile caches (Triton, torch inductor, FlashInfer, DeepGEMM, CUDA), one per user
+    cache_dir: Path = Path("/var/cache/supervisord-gpu")
     default_user: str | None = None
-    strict_modes: bool = True
     control_group: str = "gpusup"
     #: while starting, no new log line or phase for this long means stuck: stop extending systemd's timeout
     start_stall_timeout_s: float = 120.0

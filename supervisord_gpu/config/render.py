@@ -8,10 +8,15 @@ quotes or a newline reaches SGLang as one literal argument. Full flag names only
 from __future__ import annotations
 
 import importlib.util
+import os
+import pwd
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
 
+from ..errors import ConfigError
+from ..sglang.caches import cache_environment
 from .model import DaemonConfig, OptionValue, ProcessSpec, Profile
 
 STANDIN_SERVER = ("-m", "supervisord_gpu.rehearsal.standin_server")
@@ -30,6 +35,10 @@ class Launch:
     argv: tuple[str, ...]
     env: tuple[tuple[str, str], ...]  # set on top of the daemon's environment
     user: str | None
+    #: a TMPDIR only this process uses (SGLang's ipc:// files land there), emptied after every stop
+    tmpdir: Path | None = None
+    #: the persistent compile cache of the process's user (servers only)
+    cache_root: Path | None = None
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
         env = {k: v for k, v in base.items() if k not in _PRIVATE_ENV}
@@ -82,12 +91,32 @@ def router_program(cfg: DaemonConfig) -> tuple[str, ...]:
     return (sys.executable, *STANDIN_ROUTER)
 
 
+def user_environment(profile: Profile, spec: ProcessSpec) -> tuple[str, list[tuple[str, str]]]:
+    """(account name, HOME/USER/LOGNAME) of the user a process runs as; an unknown user is a config error."""
+    if spec.user is None:
+        try:
+            return pwd.getpwuid(os.geteuid()).pw_name, []
+        except KeyError:
+            return str(os.geteuid()), []
+    try:
+        pw = pwd.getpwnam(spec.user)
+    except KeyError:
+        raise ConfigError(profile.path, f"{spec.key}.user", f"no such user {spec.user!r} on this machine") from None
+    return pw.pw_name, [("HOME", pw.pw_dir), ("USER", pw.pw_name), ("LOGNAME", pw.pw_name)]
+
+
 def render(profile: Profile, cfg: DaemonConfig, rehearsal_env: Mapping[str, str] | None = None) -> list[Launch]:
     """Every process of `profile` in start order; `rehearsal_env` set means: stand-ins."""
     launches = []
     for spec in profile.processes:
-        # Rehearsal defaults first, so a profile's own env (a fault to inject, a start-up time) wins.
-        env = list(rehearsal_env.items()) if rehearsal_env is not None else []
+        account, env = user_environment(profile, spec)
+        tmpdir = cfg.runtime_dir / profile.name / "tmp" / spec.name
+        env.append(("TMPDIR", str(tmpdir)))
+        cache_root = cfg.cache_dir / account if spec.kind == "server" else None
+        if cache_root is not None:
+            env += cache_environment(cache_root)
+        # Rehearsal defaults next, so a profile's own env (a fault to inject, a start-up time) wins.
+        env += list(rehearsal_env.items()) if rehearsal_env is not None else []
         env += spec.env
         if spec.kind == "server":
             # GPU indices in a profile are NVML's (nvidia-smi's), which follow the PCI bus; CUDA's
@@ -98,5 +127,5 @@ def render(profile: Profile, cfg: DaemonConfig, rehearsal_env: Mapping[str, str]
         else:
             program = router_program(cfg) if rehearsal_env is not None else cfg.router_command
             argv = (*program, *router_args(spec, profile))
-        launches.append(Launch(spec, tuple(argv), tuple(env), spec.user))
+        launches.append(Launch(spec, tuple(argv), tuple(env), spec.user, tmpdir, cache_root))
     return launches

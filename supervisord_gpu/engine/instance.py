@@ -19,8 +19,12 @@ from ..ownership.base import OwnershipDriver
 from .events import Event, Listener, LogSink
 from .process import ManagedProcess, ProcessStatus
 from .states import State
+from .traffic import RouterWorkers, wait_drained
 
 Preflight = Callable[[], Awaitable[None]]
+
+TRAFFIC_API_TIMEOUT_S = 10.0  # the router takes a removal in well under a second
+TRAFFIC_RESTORE_TIMEOUT_S = 120.0  # its health check of the new worker costs SGLang's /health (>= 1 s), then retries
 
 
 @dataclass
@@ -119,7 +123,7 @@ class Instance:
             self.started_at = time.time()
             self._set_state(State.STARTING, "checking")
             try:
-                cleaned = await self.owner.reclaim_leftovers(self.name, self.leftovers)
+                cleaned = await self.owner.reclaim_leftovers(self.name, self.leftovers, list(self.processes))
                 self.owner.guard(self.name)
                 for item in cleaned:
                     self.sink.event(f"cleaned leftover cgroup of a previous run: {item}", 4, GPUSUP_EVENT="leftover")
@@ -225,8 +229,49 @@ class Instance:
         proc = self.processes[name]
         await self._restart(proc, policy_driven=False)
 
+    def _router_of(self, proc: ManagedProcess) -> ManagedProcess | None:
+        """The router of this instance that sends traffic to `proc`, if any."""
+        for other in self.processes.values():
+            spec = other.spec
+            if spec.kind == "router" and proc.name in (*spec.workers, *spec.prefill, *spec.decode):
+                return other
+        return None
+
+    async def _out_of_traffic(self, proc: ManagedProcess) -> RouterWorkers | None:
+        """Before `proc` stops alone: take it out of its router, then let what it accepted finish.
+
+        SGLang keeps accepting requests after SIGTERM and never drains while traffic reaches
+        it; removed from the router, it gets none, and its own drain ends. Returns the router's
+        worker API to put it back with, or None when no serving router fronts it.
+        """
+        router = self._router_of(proc)
+        if router is None or router.state != State.READY:
+            return None
+        workers = RouterWorkers(router.spec)
+        began = time.monotonic()
+        why = await workers.withdraw(proc.spec, timeout=TRAFFIC_API_TIMEOUT_S)
+        if why:
+            self.sink.event(f"{proc.name}: could not take it out of {router.name}: {why}; stopping it anyway", 4,
+                            GPUSUP_PROCESS=proc.name, GPUSUP_EVENT="traffic")
+            return workers
+        left = None if proc.exit_code is not None else await wait_drained(proc.spec, proc.spec.stop_timeout_s)
+        drained = "" if left is None else (f"; {left} request(s) still in flight at its deadline" if left
+                                            else "; nothing in flight")
+        self.sink.event(f"{proc.name}: taken out of {router.name} in {time.monotonic() - began:.2f} s{drained}", 6,
+                        GPUSUP_PROCESS=proc.name, GPUSUP_EVENT="traffic")
+        return workers
+
+    async def _back_in_traffic(self, proc: ManagedProcess, workers: RouterWorkers | None) -> None:
+        if workers is None:
+            return
+        why = await workers.restore(proc.spec, timeout=TRAFFIC_RESTORE_TIMEOUT_S)
+        self.sink.event(f"{proc.name}: " + (f"not back in {workers.router.name}: {why}" if why
+                                             else f"back in {workers.router.name}"),
+                        4 if why else 6, GPUSUP_PROCESS=proc.name, GPUSUP_EVENT="traffic")
+
     async def _restart(self, proc: ManagedProcess, policy_driven: bool) -> None:
         policy = self.profile.restart
+        workers: RouterWorkers | None = None
         try:
             if policy_driven:
                 now = time.monotonic()
@@ -250,14 +295,17 @@ class Instance:
                     GPUSUP_PROCESS=proc.name,
                     GPUSUP_EVENT="restart",
                 )
+                workers = await self._out_of_traffic(proc)  # dead: the router must stop sending to it now
                 await proc.stop(timeout=0.0)  # nothing of the dead one may linger (orphaned schedulers)
                 await asyncio.sleep(delay)
             else:
                 self._set_state(State.DEGRADED, f"{proc.name} restarting (requested)")
+                workers = await self._out_of_traffic(proc)
                 await proc.stop()
             proc.restarts_total += 1
             await proc.start()
             await proc.wait_ready()
+            await self._back_in_traffic(proc, workers)
             if all(p.state == State.READY for p in self.processes.values()):
                 self._set_state(State.READY)
         except StartError as e:

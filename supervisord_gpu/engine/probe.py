@@ -1,49 +1,113 @@
 """A readiness probe: one HTTP GET on the loop, answered by a status code or nothing.
 
 Written on asyncio streams rather than a client library: it must never block the loop, costs
-one connection per probe, and needs nothing beyond the status line.
+one connection per probe, and needs nothing beyond the status line. It also says whether
+anything accepted the connection at all: SGLang's port is closed while it loads, so a
+connection during the load means someone else is listening there (see listener ownership in
+ManagedProcess.wait_ready).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+from dataclasses import dataclass
 
 
-async def http_status(host: str, port: int, path: str, timeout: float, min_workers: int = 0) -> int | None:
-    """The status code of GET http://host:port/path, or None if there was no HTTP answer.
+@dataclass(frozen=True)
+class ProbeResult:
+    status: int | None  # the HTTP status, or None when there was no HTTP answer
+    connected: bool  # something accepted the TCP connection
+
+
+async def probe(host: str, port: int, path: str, timeout: float, min_workers: int = 0) -> ProbeResult:
+    """GET http://host:port/path.
 
     With `min_workers`, a 200 counts only if the JSON body says at least that many healthy
     workers: sglang-router 0.3.2 answers /readiness 200 as soon as *one* worker is healthy.
     """
     writer = None
+    connected = False
     try:
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(host, port)
+            connected = True
             hostname = f"[{host}]" if ":" in host else host
             writer.write(f"GET {path} HTTP/1.1\r\nHost: {hostname}:{port}\r\nConnection: close\r\n\r\n".encode())
             await writer.drain()
             status_line = await reader.readline()
             parts = status_line.split()
             if not (len(parts) >= 2 and parts[0].startswith(b"HTTP/") and parts[1].isdigit()):
-                return None
+                return ProbeResult(None, connected)
             status = int(parts[1])
             if status == 200 and min_workers:
                 body = (await reader.read(1 << 16)).split(b"\r\n\r\n", 1)[-1]
                 if _healthy_workers(body) < min_workers:
-                    return 503
-            return status
+                    status = 503
+            return ProbeResult(status, connected)
     except (OSError, asyncio.TimeoutError, ValueError):
-        return None
+        return ProbeResult(None, connected)
     finally:
         if writer is not None:
             writer.close()
 
 
-def _healthy_workers(body: bytes) -> int:
-    import json
+async def http_status(host: str, port: int, path: str, timeout: float, min_workers: int = 0) -> int | None:
+    """The status code of GET http://host:port/path, or None if there was no HTTP answer."""
+    return (await probe(host, port, path, timeout, min_workers)).status
 
+
+def _healthy_workers(body: bytes) -> int:
     start = body.find(b"{")
     try:
         return int(json.loads(body[start:]).get("healthy_workers", 0)) if start >= 0 else 0
     except (ValueError, AttributeError, TypeError):
         return 0
+
+
+async def request(method: str, host: str, port: int, path: str, body: object = None,
+                  timeout: float = 5.0) -> tuple[int | None, bytes]:
+    """One HTTP/1.1 request with an optional JSON body; (status, body), status None without an answer.
+
+    For the few control calls the engine makes (the router's /workers API, a server's load):
+    small bodies, one connection each, never blocking the loop.
+    """
+    writer = None
+    payload = b"" if body is None else json.dumps(body).encode()
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(host, port)
+            hostname = f"[{host}]" if ":" in host else host
+            head = (f"{method} {path} HTTP/1.1\r\nHost: {hostname}:{port}\r\nConnection: close\r\n"
+                    f"Content-Length: {len(payload)}\r\n" + ("Content-Type: application/json\r\n" if body is not None else "")
+                    + "\r\n")
+            writer.write(head.encode() + payload)
+            await writer.drain()
+            raw = await reader.read()
+    except (OSError, asyncio.TimeoutError, ValueError):
+        return None, b""
+    finally:
+        if writer is not None:
+            writer.close()
+    head_bytes, _, rest = raw.partition(b"\r\n\r\n")
+    parts = head_bytes.split(b"\r\n", 1)[0].split()
+    if len(parts) < 2 or not parts[1].isdigit():
+        return None, b""
+    if b"transfer-encoding: chunked" in head_bytes.lower():
+        rest = _unchunk(rest)
+    return int(parts[1]), rest
+
+
+def _unchunk(data: bytes) -> bytes:
+    out = bytearray()
+    while data:
+        size_line, _, data = data.partition(b"\r\n")
+        try:
+            size = int(size_line.split(b";")[0], 16)
+        except ValueError:
+            break
+        if size == 0:
+            break
+        out += data[:size]
+        data = data[size + 2:]
+    return bytes(out)

@@ -9,22 +9,29 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import pwd
 import signal
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
+from ..checks.ports import check_ports, listener_ownership
 from ..config.render import Launch
 from ..errors import StartError
 from ..ownership.base import OwnershipDriver, Spawned, SpawnRequest
-from . import phases
+from ..ownership.files import PrivateDir, ShmTracker
+from ..sglang import exits
+from ..sglang import logs as phases
 from .events import Event, LogSink
-from .probe import http_status
+from .output import OutputSplitter
+from .probe import ProbeResult, probe
 from .states import State
 
 TAIL_LINES = 20
 KILL_GRACE_S = 5.0  # after SIGKILL of the whole cgroup, how long until we call it stuck
-LINE_LIMIT = 1 << 20
+READ_CHUNK = 1 << 16
+PROGRESS_LOG_S = 10.0  # a progress bar's state goes to the journal at most this often
+PIPE_DRAIN_S = 0.5  # after the exit: how long to read what it printed last
 
 
 @dataclass
@@ -52,6 +59,8 @@ class ProcessStatus:
     last_exit: str
     ready_since: float | None
     history: list[dict[str, object]] = field(default_factory=list)
+    #: the progress bar it is drawing now ("Capturing batches (bs=64): 30%|...|"), "" when none
+    progress: str = ""
 
 
 class ManagedProcess:
@@ -84,7 +93,19 @@ class ManagedProcess:
         self.history: collections.deque[Readiness] = collections.deque(maxlen=50)
         self.exit_code: int | None = None
         self.exited_at: float | None = None  # monotonic time the main process was reaped
-        self.last_line_at: float | None = None  # monotonic; "making progress" for the start timeout
+        #: monotonic time of the last output of any kind (a line, or a `\r` progress update):
+        #: "making progress" for the start timeout
+        self.last_output_at: float | None = None
+        self.progress_text = ""
+        self._progress_stream = ""
+        self._progress_logged_at = 0.0
+        self.last_error = ""  # the last error-looking line it printed
+        self.markers_seen: set[str] = set()  # exits.SELF_KILL_MARKERS / BIND_FAILED_MARKER it printed
+        self.signals_sent: dict[int, str] = {}  # the signals we sent it, and why
+        uid, gid = _ids_of(launch.user)
+        self.tmpdir = PrivateDir(launch.tmpdir, uid, gid) if launch.tmpdir else None
+        self.cache = PrivateDir(launch.cache_root, uid, gid) if launch.cache_root else None
+        self.shm = ShmTracker()
         self.last_stop_s: float | None = None
         self.phase_durations: dict[str, float] = {}
         self._exited = asyncio.Event()
@@ -135,6 +156,7 @@ class ManagedProcess:
             last_exit=self.last_exit,
             ready_since=self.ready_since,
             history=[{"at": h.at, "state": h.state, "detail": h.detail} for h in self.history],
+            progress=self.progress_text,
         )
 
     # ------------------------------------------------------------------ start
@@ -147,8 +169,12 @@ class ManagedProcess:
         self.exit_code = None
         self.tail.clear()
         self.phase_durations = {}
+        self.progress_text = self.last_error = ""
+        self.markers_seen = set()
+        self.signals_sent = {}
         self._set_state(State.STARTING if not self.restart_times else State.RESTARTING)
         self._set_phase(phases.LAUNCHED)
+        await asyncio.to_thread(self._prepare_dirs)
         req = SpawnRequest(
             instance=self.instance,
             process=self.name,
@@ -172,30 +198,74 @@ class ManagedProcess:
             asyncio.create_task(self._watch_exit()),
         ]
 
+    def _prepare_dirs(self) -> None:
+        """Its private TMPDIR (emptied: a crashed run's ipc files) and its persistent compile cache."""
+        for d in (self.tmpdir, self.cache):
+            if d is not None:
+                d.prepare()
+        if self.tmpdir is not None:
+            self.tmpdir.clear()
+
     async def _pump(self, stream: asyncio.StreamReader, name: str) -> None:
-        stream._limit = LINE_LIMIT  # type: ignore[attr-defined]  # SGLang can print long lines
+        """Forward what the child prints; any byte of it, `\r` progress included, is progress."""
+        splitter = OutputSplitter()
         while True:
-            try:
-                raw = await stream.readline()
-            except ValueError:  # a line longer than the limit: forward it in pieces
-                raw = await stream.read(LINE_LIMIT)
+            raw = await stream.read(READ_CHUNK)
             if not raw:
+                for line in splitter.close():
+                    self._on_line(line, name)
                 return
-            line = raw.decode("utf-8", "replace").rstrip("\r\n")
-            self.tail.append(line)
-            self.last_line_at = time.monotonic()
-            self.sink.child_line(self.instance, self.name, line, name, phases.priority_of(line))
-            phase = phases.phase_of(line)
-            if phase is not None:
-                self._set_phase(phase)
-                self._wake.set()
+            self.last_output_at = time.monotonic()
+            split = splitter.feed(raw)
+            for line in split.lines:
+                self._on_line(line, name)
+            if split.progress is not None:
+                self._on_progress(split.progress, name)
+
+    def _on_line(self, raw: str, stream: str) -> None:
+        line = phases.strip_ansi(raw)
+        priority = phases.priority_of(line)
+        self.tail.append(line)
+        if stream == self._progress_stream:
+            self.progress_text = ""  # the bar finished (or a line ended it)
+        if priority <= 3:
+            if phases.is_reason(line):
+                self.last_error = phases.message_of(line)[:300]
+            self.markers_seen.update(m for m in exits.MARKERS if m in line)
+        self.sink.child_line(self.instance, self.name, line, stream, priority)
+        self._note_phase(line)
+
+    def _on_progress(self, raw: str, stream: str) -> None:
+        """A redrawn progress bar: shown in status at once, in the journal every PROGRESS_LOG_S."""
+        text = phases.strip_ansi(raw).strip()
+        self.progress_text, self._progress_stream = text[:200], stream
+        now = time.monotonic()
+        if now - self._progress_logged_at >= PROGRESS_LOG_S:
+            self._progress_logged_at = now
+            self.sink.child_line(self.instance, self.name, text, stream, 6)
+        self._note_phase(text)
+
+    def _note_phase(self, text: str) -> None:
+        phase = phases.phase_of(text)
+        if phase is not None and phase != self.phase:
+            self._set_phase(phase)
+            self._wake.set()
+            self._scan_files()
 
     async def _watch_exit(self) -> None:
         assert self.spawned is not None
         code = await self.spawned.proc.wait()
-        self.exit_code = code
         self.exited_at = time.monotonic()
-        self.last_exit = describe_exit(code)
+        # Its last words explain the exit (SGLang prints why, then SIGKILLs itself): read what is
+        # still in the pipes first, briefly, since an orphan may hold them open forever.
+        pumps = [task for task in self._tasks if task is not asyncio.current_task() and not task.done()]
+        if pumps:
+            await asyncio.wait(pumps, timeout=PIPE_DRAIN_S)
+        self.exit_code = code
+        holder = ""
+        if code > 0 and self.markers_seen & set(exits.BIND_FAILED_MARKERS):
+            holder = await asyncio.to_thread(self._port_holders)
+        self.last_exit = exits.describe_exit(code, self.last_error, tuple(self.markers_seen), self.signals_sent, holder)
         self._exited.set()
         self._wake.set()
         if not self._stopping:
@@ -208,8 +278,35 @@ class ManagedProcess:
             if self.state in (State.READY,) and self.on_unexpected_exit is not None:
                 self.on_unexpected_exit(self)
 
+    def _port_holders(self) -> str:
+        """Who holds its ports now: "127.0.0.1:30001 (router) held by pid 4711 (user ...) ..."."""
+        held = [s.problem() for s in check_ports((l.host, l.port, l.label) for l in self.spec.listens()) if not s.free]
+        return "; ".join(p for p in held if p)
+
+    def _scan_files(self) -> None:
+        """Note the shared-memory files its cgroup uses now (cleaned after a kill; see ownership/files)."""
+        if self.spawned is not None:
+            self.shm.scan(self.spawned.group.pids())
+
+    async def _check_listener(self) -> bool:
+        """Is whoever listens on our port one of ours? Raises StartError naming a stranger.
+
+        SGLang opens its port only after minutes of loading; meanwhile anyone can bind it and
+        answer our probe 200. Only a listener held by a process in this process's own cgroup
+        counts; a foreign one fails the start (never READY=1), named by PID, user and command line.
+        """
+        assert self.spawned is not None
+        spec, group = self.spec, self.spawned.group
+        own = await asyncio.to_thread(listener_ownership, spec.host, spec.port, group.pids())
+        if own.foreign:
+            raise StartError(self._failure(
+                f"port {spec.host}:{spec.port} is held by {own.describe_foreign()} while {self.name} is starting; "
+                "refusing to report ready (it would send our traffic to them)"))
+        return own.ours
+
     async def wait_ready(self) -> None:
-        """Probe until 200, the deadline, or the process's death; raises StartError on the latter two."""
+        """Probe until 200 from our own listener, the deadline, or the process's death; raises StartError
+        on the latter two and on a stranger listening on our port."""
         spec = self.spec
         started = time.monotonic()
         deadline = started + spec.start_timeout_s
@@ -217,11 +314,15 @@ class ManagedProcess:
         while True:
             if self._exited.is_set():
                 raise StartError(self._failure(f"exited during start-up ({self.last_exit})"))
-            status = await self._probe_unless_exited(host)
-            if status == 200 and not self._exited.is_set():
+            result = await self._probe_unless_exited(host)
+            status = result.status if result else None
+            ours = await self._check_listener() if result and result.connected else False
+            if status == 200 and ours and not self._exited.is_set():
                 self.ready_since = time.time()
                 self.phase_durations["total"] = time.monotonic() - started
                 self._set_phase(phases.SERVING)
+                self.progress_text = ""
+                self._scan_files()
                 self._set_state(State.READY)
                 self._liveness = asyncio.get_running_loop().create_task(self._watch_liveness())
                 self.sink.event(
@@ -247,37 +348,43 @@ class ManagedProcess:
             except asyncio.TimeoutError:
                 pass
 
-    async def _probe_unless_exited(self, host: str) -> int | None:
+    async def _probe_unless_exited(self, host: str) -> ProbeResult | None:
         """One readiness probe, abandoned the moment the process exits (a hung listener on a stolen
         port would otherwise hold us for the whole probe timeout)."""
         spec = self.spec
-        probe = asyncio.ensure_future(http_status(host, spec.port, spec.probe.path, spec.probe.timeout_s, self.expected_workers))
+        answer = asyncio.ensure_future(probe(host, spec.port, spec.probe.path, spec.probe.timeout_s, self.expected_workers))
         exited = asyncio.ensure_future(self._exited.wait())
-        await asyncio.wait({probe, exited}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({answer, exited}, return_when=asyncio.FIRST_COMPLETED)
         exited.cancel()
-        if not probe.done():
-            probe.cancel()
+        if not answer.done():
+            answer.cancel()
             return None
-        return probe.result()
+        return answer.result()
 
     async def _watch_liveness(self) -> None:
         """After ready: a process that stops answering (hung, SIGSTOPped, deadlocked) is killed with its
-        cgroup after `failures` misses in a row; its exit then goes through the restart policy."""
-        spec, probe = self.spec, self.spec.probe
+        cgroup after `failures` misses in a row; its exit then goes through the restart policy.
+
+        Servers are asked SGLang's cheap /ready (no generation), with a timeout no shorter than
+        SGLang's own health verdict: a busy healthy server is slow to generate, not to answer.
+        """
+        spec, cfg = self.spec, self.spec.probe
         misses = 0
         while True:
-            await asyncio.sleep(probe.liveness_interval_s)
+            await asyncio.sleep(cfg.liveness_interval_s)
             if self.state != State.READY or self._exited.is_set() or self.spawned is None:
                 return
-            status = await http_status(spec.probe_host, spec.port, probe.liveness_path, probe.timeout_s)
+            await asyncio.to_thread(self._scan_files)
+            status = (await probe(spec.probe_host, spec.port, cfg.liveness_path, cfg.liveness_timeout_s)).status
             if status == 200:
                 misses = 0
                 continue
             misses += 1
-            if misses >= probe.failures:
+            if misses >= cfg.failures:
+                self.signals_sent[signal.SIGKILL] = f"{cfg.liveness_path} failed {misses} times in a row"
                 self.sink.event(
-                    f"{self.name}: {probe.liveness_path} failed {misses} times in a row ({status or 'no answer'}); "
-                    "killing its cgroup so the restart policy can bring it back",
+                    f"{self.name}: {cfg.liveness_path} failed {misses} times in a row ({status or 'no answer'} within "
+                    f"{cfg.liveness_timeout_s:g} s); killing its cgroup so the restart policy can bring it back",
                     3, GPUSUP_PROCESS=self.name, GPUSUP_EVENT="unhealthy",
                 )
                 self.spawned.group.kill_all()
@@ -306,6 +413,8 @@ class ManagedProcess:
         self._set_state(State.STOPPING)
         group = self.spawned.group
         if not self._exited.is_set():
+            await asyncio.to_thread(self._scan_files)
+            self.signals_sent.setdefault(signal.SIGTERM, "stopped by the supervisor")
             try:
                 os.kill(self.spawned.pid, signal.SIGTERM)
             except ProcessLookupError:
@@ -313,6 +422,7 @@ class ManagedProcess:
             try:
                 await asyncio.wait_for(self._exited.wait(), timeout)
             except asyncio.TimeoutError:
+                self.signals_sent[signal.SIGKILL] = f"still running {timeout:g} s after SIGTERM"
                 self.sink.event(
                     f"{self.name}: still running {timeout:g} s after SIGTERM; killing its cgroup",
                     4,
@@ -332,6 +442,10 @@ class ManagedProcess:
                 except (asyncio.TimeoutError, Exception):
                     task.cancel()
         await group.release()
+        removed = await asyncio.to_thread(self._remove_leftover_files)
+        if removed:
+            self.sink.event(f"{self.name}: removed {len(removed)} file(s) it left behind: {', '.join(removed[:8])}"
+                            + (" ..." if len(removed) > 8 else ""), 4, GPUSUP_PROCESS=self.name, GPUSUP_EVENT="leftover")
         took = time.monotonic() - began
         self.last_stop_s = took
         # The supervisor's own share: from the main process being reaped to "stopped" declared.
@@ -351,15 +465,24 @@ class ManagedProcess:
         )
         return took
 
+    def _remove_leftover_files(self) -> list[str]:
+        """Once its cgroup is empty: what it could not clean up itself (killed, or crashed)."""
+        removed = self.shm.remove_leftovers()
+        if self.tmpdir is not None:
+            removed += self.tmpdir.clear()
+        return removed
+
     def mark_failed(self, why: str) -> None:
-        self.last_exit = why
+        """The instance gave up on it; `last_exit` keeps saying how it ended."""
         self._set_state(State.FAILED, why)
 
 
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
+def _ids_of(user: str | None) -> tuple[int, int]:
+    """(uid, gid) a child of this user runs with; the daemon's own without a user."""
+    if user is None:
+        return os.geteuid(), os.getegid()
+    try:
+        pw = pwd.getpwnam(user)
+    except KeyError:
+        return os.geteuid(), os.getegid()  # render() refuses unknown users before we get here
+    return pw.pw_uid, pw.pw_gid

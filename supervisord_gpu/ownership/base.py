@@ -78,10 +78,12 @@ class OwnershipDriver(abc.ABC):
     weak: bool = False
 
     @abc.abstractmethod
-    async def reclaim_leftovers(self, instance: str, policy: str) -> list[str]:
+    async def reclaim_leftovers(self, instance: str, policy: str, processes: Sequence[str] = ()) -> list[str]:
         """Deal with groups a previous run of `instance` left behind (policy "clean" or "refuse").
 
-        Returns a description of each group cleaned; raises OwnershipError when refusing.
+        `processes`: the process names of the profile; the groups looked at are exactly the
+        ones this driver creates for them. Returns a description of each group cleaned;
+        raises OwnershipError when refusing.
         """
 
     @abc.abstractmethod
@@ -96,7 +98,7 @@ class OwnershipDriver(abc.ABC):
         """Make sure the instance's processes die if this daemon dies (a no-op where systemd does it)."""
 
     def _popen_extra(self) -> dict[str, object]:
-        """Extra Popen arguments a driver needs (the session fallback asks for a new session)."""
+        """Extra Popen arguments a driver needs."""
         return {}
 
     async def spawn(self, req: SpawnRequest) -> Spawned:
@@ -108,11 +110,15 @@ class OwnershipDriver(abc.ABC):
                 *gate_argv(gate_r, req.argv),
                 env=dict(req.env),
                 cwd=req.cwd,
-                user=req.user,
+                **credentials(req.user),
                 pass_fds=(gate_r,),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
+                # Its own session and process group, whatever the driver: SGLang's children stay in
+                # its group, and a group kill (SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=1, a terminal's
+                # Ctrl-C) must reach that server alone, never the daemon or its other servers.
+                start_new_session=True,
                 **self._popen_extra(),  # type: ignore[arg-type]
             )
         except BaseException:
@@ -132,6 +138,17 @@ class OwnershipDriver(abc.ABC):
         finally:
             os.close(gate_w)
         return Spawned(proc, group)
+
+
+def credentials(user: str | None) -> dict[str, object]:
+    """Popen arguments that make a child `user` entirely: uid, primary gid and the user's
+    supplementary groups (initgroups), never root's group 0 or root's other groups."""
+    if user is None:
+        return {}
+    import pwd
+
+    pw = pwd.getpwnam(user)
+    return {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": os.getgrouplist(pw.pw_name, pw.pw_gid)}
 
 
 # The gate: a minimal interpreter (no site, isolated) that blocks on a pipe until the driver

@@ -8,6 +8,8 @@ process walk or a sleep.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import asyncio
 import errno
 import os
@@ -197,7 +199,7 @@ class CgroupfsDriver(OwnershipDriver):
     def _instance_dir(self, instance: str) -> Path:
         return self.root / instance
 
-    async def reclaim_leftovers(self, instance: str, policy: str) -> list[str]:
+    async def reclaim_leftovers(self, instance: str, policy: str, processes: Sequence[str] = ()) -> list[str]:
         inst_dir = self._instance_dir(instance)
         if not inst_dir.exists():
             return []

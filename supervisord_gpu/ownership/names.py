@@ -42,19 +42,37 @@ def scope_name(instance: str, process: str) -> str:
 
 
 def owner_of_cgroup(path: str) -> Owner | None:
-    """Attribute a cgroup path (as in /proc/PID/cgroup) to one of our instances, or None."""
+    """Attribute a cgroup path (as in /proc/PID/cgroup) to one of our instances, or None.
+
+    A name alone proves nothing: any local user can create `dsv4-pd-1p1d-router.scope` or
+    `supervisord-gpu/pd-1p1d/router` inside the subtree their user manager delegates to
+    them. What they cannot do is place one where only root can: a unit of the system
+    manager sits under slices alone (a user's units sit under `user@UID.service`), and our
+    cgroupfs tree sits outside every systemd unit. So a path counts as ours only when every
+    cgroup above our name is a slice (systemd) or none is a unit at all (cgroupfs).
+    """
     parts = [p for p in path.split("/") if p]
     for i, part in enumerate(parts):
+        above = parts[:i]
         m = _SCOPE_RE.match(part)
-        if m:
+        if m and all(a.endswith(".slice") for a in above):
             return Owner(m["instance"], m["process"], part)
-        if part == CGROUPFS_ROOT_NAME and len(parts) > i + 2:
-            return Owner(parts[i + 1], parts[i + 2])
-    for part in parts:
         m = _SERVICE_RE.match(part)
-        if m:
+        if m and all(a.endswith(".slice") for a in above):
             return Owner(m["instance"], "daemon", part)
+        if part == CGROUPFS_ROOT_NAME and len(parts) > i + 2 and not any(_is_unit(a) for a in above):
+            return Owner(parts[i + 1], parts[i + 2])
     return None
+
+
+def _is_unit(part: str) -> bool:
+    return part.endswith((".slice", ".service", ".scope"))
+
+
+def scope_owner(unit: str, instance: str) -> str | None:
+    """The process a scope name gives to exactly `instance` (dsv4-tp4-server.scope is not tp4-512k's)."""
+    m = _SCOPE_RE.match(unit)
+    return m["process"] if m and m["instance"] == instance else None
 
 
 def unit_of_cgroup(path: str) -> str | None:

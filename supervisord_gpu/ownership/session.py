@@ -7,6 +7,8 @@ why choosing it logs a loud warning every time.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import asyncio
 import os
 import signal
@@ -73,11 +75,8 @@ class SessionDriver(OwnershipDriver):
     name = "session"
     weak = True
 
-    async def reclaim_leftovers(self, instance: str, policy: str) -> list[str]:
+    async def reclaim_leftovers(self, instance: str, policy: str, processes: Sequence[str] = ()) -> list[str]:
         return []  # nothing to find: without cgroups a leftover cannot be recognised as ours
-
-    def _popen_extra(self) -> dict[str, object]:
-        return {"start_new_session": True}
 
     async def _create_group(self, instance: str, process: str) -> ProcessGroup:
         return SessionGroup(f"session of {instance}/{process}")

@@ -21,12 +21,12 @@ import asyncio
 import os
 import signal
 import time
-from pathlib import Path
+from typing import Sequence
 
 from ..errors import OwnershipError
 from .base import OwnershipDriver, ProcessGroup
 from .cgroupfs import CgroupDir, cgroup2_mount
-from .names import UNIT_PREFIX, scope_name, service_name
+from .names import scope_name, service_name
 
 ADOPT_TIMEOUT_S = 10.0
 
@@ -102,6 +102,7 @@ class SystemdDriver(OwnershipDriver):
                 from pydbus import SystemBus
 
                 bus = SystemBus()
+            self.bus = bus
             self.manager = bus.get("org.freedesktop.systemd1", "/org/freedesktop/systemd1")
         except Exception as e:
             raise OwnershipError(f"cannot reach systemd over D-Bus: {e}") from e
@@ -115,13 +116,26 @@ class SystemdDriver(OwnershipDriver):
         except Exception:
             pass  # not failed, or already collected
 
-    def _scopes_of(self, instance: str) -> list[tuple[str, str]]:
-        units = self.manager.ListUnitsByPatterns([], [f"{UNIT_PREFIX}-{instance}-*.scope"])
-        return [(u[0], u[3]) for u in units]  # (name, active state)
+    def _scopes_of(self, instance: str, processes: Sequence[str]) -> list[tuple[str, str]]:
+        """(name, active state) of the scopes we would create for `processes`, by exact name, and
+        only those bound to our service: never a pattern (dsv4-tp4-*.scope also matches tp4-512k's)."""
+        names = [scope_name(instance, p) for p in processes]
+        out = []
+        for unit in self.manager.ListUnitsByNames(names):
+            name, active, path = unit[0], unit[3], unit[6]
+            if name not in names or unit[2] == "not-found":
+                continue
+            try:
+                binds = list(self.bus.get("org.freedesktop.systemd1", path).BindsTo)
+            except Exception:
+                continue  # gone meanwhile
+            if self.service in binds:
+                out.append((name, active))
+        return out
 
-    async def reclaim_leftovers(self, instance: str, policy: str) -> list[str]:
+    async def reclaim_leftovers(self, instance: str, policy: str, processes: Sequence[str] = ()) -> list[str]:
         cleaned = []
-        for unit, active in await asyncio.to_thread(self._scopes_of, instance):
+        for unit, active in await asyncio.to_thread(self._scopes_of, instance, processes):
             if active not in ("active", "activating", "deactivating"):
                 await asyncio.to_thread(self.reset_failed, unit)
                 continue

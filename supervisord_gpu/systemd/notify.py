@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import asyncio
 import os
+import re
 import select
 import socket
 import time
@@ -21,6 +22,7 @@ from ..engine.instance import Instance, InstanceStatus
 from ..config.model import gpu_ranges
 from ..engine.states import State
 
+_PERCENT = re.compile(r"(\d{1,3})%")  # a tqdm bar's percentage
 EXTEND_MARGIN_S = 5.0  # beyond the stall limit, so one late tick cannot fail a healthy start
 STALL_S = 120.0  # no progress for this long: stop extending
 
@@ -37,7 +39,9 @@ def status_text(st: InstanceStatus) -> str:
             if p.state == State.READY.value:
                 parts.append(f"{p.name} ready")
             elif p.state in (State.STARTING.value, State.RESTARTING.value) and p.pid:
-                parts.append(f"{p.name} {p.phase or 'starting'} {int(p.phase_elapsed_s)} s")
+                done = _PERCENT.search(p.progress)
+                parts.append(f"{p.name} {p.phase or 'starting'} {int(p.phase_elapsed_s)} s"
+                             + (f" ({done.group(1)}%)" if done else ""))
             else:
                 parts.append(f"{p.name} waiting")
         return "starting: " + "; ".join(parts)
@@ -119,7 +123,7 @@ class Notifier:
         if self.watchdog_s:
             period = min(period, self.watchdog_s / 3)
         while True:
-            lines = [p.last_line_at for p in instance.processes.values() if p.last_line_at]
+            lines = [p.last_output_at for p in instance.processes.values() if p.last_output_at]
             if lines:
                 self.last_progress = max(self.last_progress, max(lines))
             st = instance.status()

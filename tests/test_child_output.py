@@ -1,0 +1,98 @@
+"""Reading what SGLang and the router print: progress bars, level-less errors, colours, exits."""
+
+from __future__ import annotations
+
+import signal
+
+from supervisord_gpu.engine.output import LINE_LIMIT, OutputSplitter
+from supervisord_gpu.sglang.exits import describe_exit
+from supervisord_gpu.sglang.logs import phase_of, priority_of, strip_ansi
+
+BAR = "Loading safetensors checkpoint shards:  {p}% Completed | {n}/5 [00:0{n}<00:03,  1.2it/s]"
+
+
+def test_a_tqdm_bar_is_progress_until_its_newline_then_one_line():
+    s = OutputSplitter()
+    first = s.feed(b"[2026-12-01 08:00:00] Load weight begin. avail mem=139.2 GB\n\r" + BAR.format(p=20, n=1).encode())
+    assert first.lines == ["[2026-12-01 08:00:00] Load weight begin. avail mem=139.2 GB"]
+    assert first.progress == BAR.format(p=20, n=1)
+    second = s.feed(("\r" + BAR.format(p=40, n=2) + "\r" + BAR.format(p=60, n=3)).encode())
+    assert second.lines == [] and second.progress == BAR.format(p=60, n=3)
+    last = s.feed(("\r" + BAR.format(p=100, n=5) + "\n").encode())
+    assert last.lines == [BAR.format(p=100, n=5)]  # what the terminal shows once the bar is done
+
+
+def test_a_bar_that_redraws_itself_for_ever_costs_one_bar_of_memory():
+    s = OutputSplitter()
+    for i in range(20000):
+        s.feed(("\r" + BAR.format(p=i % 100, n=i % 5)).encode())
+    assert len(s._pending) <= len(BAR) + 10
+
+
+def test_a_line_longer_than_the_limit_is_forwarded_in_pieces():
+    s = OutputSplitter()
+    out = s.feed(b"x" * (LINE_LIMIT * 2 + 5))
+    assert [len(line) for line in out.lines] == [LINE_LIMIT, LINE_LIMIT]
+    assert s.close() == ["xxxxx"]
+
+
+def test_progress_bars_name_their_phase():
+    assert phase_of(BAR.format(p=20, n=1)) == "loading weights"
+    assert phase_of("Capturing batches (bs=256 avail_mem=70.12 GB):  30%|███       | 6/20 [00:02<00:04,  3.1it/s]") == \
+        "capturing CUDA graphs"
+    assert phase_of("[2026-12-01 08:00:00 TP0] Entering DeepGEMM JIT Pre-Compile session. It may take a long time "
+                    "(typically 10-20 mins) if you have not run `sglang.compile_deep_gemm`.") == "compiling kernels"
+
+
+def test_sglang_failure_lines_without_a_level_name_are_errors():
+    for line in (
+        "[2026-12-01 08:00:00 TP0] Scheduler hit an exception: Traceback (most recent call last):",
+        "[2026-12-01 08:00:00] Subprocess scheduler_0 (pid=4711) crashed with exit code -9. Triggering SIGQUIT for cleanup...",
+        "[2026-12-01 08:00:00] Received sigquit from a child process. It usually means the child failed.",
+        "[2026-12-01 08:00:00] Initialization failed. warmup error: ConnectionRefusedError",
+        "[2026-12-01 08:00:00] Health check failed. Server couldn't get a response from detokenizer for last 20 seconds.",
+        "[2026-12-01 08:00:00] ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 30000): address already in use",
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.",
+        "[2026-12-01 08:00:00] ValueError: --model-path is required",
+    ):
+        assert priority_of(line) == 3, line
+    assert priority_of("[2026-12-01 08:00:00 TP0] Load weight begin. avail mem=139.22 GB") == 6
+    assert priority_of("[2026-12-01 08:00:00] server_args=ServerArgs(model_path='/m', enable_error_log=False)") == 6
+
+
+def test_router_lines_lose_their_colours_and_keep_their_level():
+    error = "\x1b[2m2026-12-01 08:47:14\x1b[0m \x1b[31mERROR\x1b[0m \x1b[2msmg::server\x1b[0m\x1b[2m:\x1b[0m worker failed"
+    warn = "\x1b[2m2026-12-01 08:47:14\x1b[0m \x1b[33m WARN\x1b[0m \x1b[2msmg::core\x1b[0m: marked unhealthy"
+    info = "\x1b[2m2026-12-01 08:47:14\x1b[0m \x1b[32m INFO\x1b[0m \x1b[2msmg::server\x1b[0m: Starting router"
+    assert priority_of(error) == 6, "with its escape codes a level match fails: the reason to strip them"
+    assert strip_ansi(error) == "2026-12-01 08:47:14 ERROR smg::server: worker failed"
+    assert [priority_of(strip_ansi(x)) for x in (error, warn, info)] == [3, 4, 6]
+
+
+def test_exits_say_what_happened():
+    crashed = describe_exit(-signal.SIGKILL, "Scheduler hit an exception: RuntimeError: boom",
+                            ("Received sigquit from a child process",))
+    assert crashed == "crashed: SGLang killed itself after a scheduler failed: Scheduler hit an exception: RuntimeError: boom"
+    assert describe_exit(-signal.SIGKILL, sent={signal.SIGKILL: "still running 60 s after SIGTERM"}) == \
+        "killed by SIGKILL (still running 60 s after SIGTERM)"
+    # SIGTERMed by us, then SGLang's own crash path: a crash, not our kill
+    assert describe_exit(-signal.SIGKILL, "RuntimeError: boom", ("Scheduler hit an exception",),
+                         sent={signal.SIGTERM: "stopped by the supervisor"}).startswith("crashed: SGLang killed itself")
+    holder = "port 127.0.0.1:30000 (server) held by pid 4711 (user mallory) nc -l 30000"
+    assert describe_exit(3, saw=("error while attempting to bind",), port_holder=holder) == \
+        f"exit code 3: its port was taken: {holder}"
+    assert describe_exit(1, saw=("Address already in use",)) == "exit code 1: its port was taken by another process"
+    assert describe_exit(-signal.SIGKILL, "ERROR smg::response: request failed") == "killed by SIGKILL"
+    assert describe_exit(2, "launch_server.py: error: unrecognized arguments: --tp 4") == \
+        "exit code 2: the command line was rejected: launch_server.py: error: unrecognized arguments: --tp 4"
+    assert describe_exit(-signal.SIGTERM, sent={signal.SIGTERM: "stopped by the supervisor"}) == \
+        "killed by SIGTERM (stopped by the supervisor)"
+
+
+def test_a_reason_is_quoted_without_its_time_stamp_and_never_as_boilerplate():
+    from supervisord_gpu.sglang.logs import is_reason, message_of
+
+    assert message_of("[2026-12-01 08:00:00 TP0] Scheduler hit an exception: RuntimeError: boom") == \
+        "Scheduler hit an exception: RuntimeError: boom"
+    assert message_of("2026-12-01 08:47:14 ERROR smg::server: worker failed") == "ERROR smg::server: worker failed"
+    assert not is_reason("[2026-12-01 08:00:00] Received sigquit from a child process. It usually means the child failed.")
