@@ -2,9 +2,9 @@
 
 From the stop request to every simulated GPU of the profile verified idle (no live holder)
 and every port free, with 1, 4 and 16 stand-in servers (one simulated GPU each; each
-stand-in spawns a detached scheduler, double-forked into its own session, that holds the
-GPU memory). The supervisor's own share is the total minus the time the processes took to
-die (their main process being reaped).
+stand-in's scheduler holds the GPU memory). The supervisor's own share is the total minus
+the time the processes took to die (their main process being reaped). The stand-in has
+SGLang's drain: after SIGTERM it looks for "no requests left" every 5 s (0-5 s idle).
 
 Three ways to tear down the same stand-ins:
   * supervisord-gpu: the engine (cgroupfs driver, a throw-away cgroup): Instance.stop(), then
@@ -14,12 +14,16 @@ Three ways to tear down the same stand-ins:
     `supervisorctl stop all`, then poll the GPUs and ports until idle/free (cap 10 s); what
     it leaves behind is counted, then killed by the PIDs the simulated GPUs list.
 
-Two scenarios:
+Three scenarios:
   * graceful: the stand-ins drain on SIGTERM and stop their schedulers themselves;
   * hard: the main process dies without its graceful path (a hung drain killed at the stop
     deadline: SUPERVISORD_GPU_STANDIN_FAULT=hang-on-term with a 1 s deadline for both
-    supervisors; `kill -9 PIDS` for the manual procedure): the detached schedulers escape a
-    process-group kill and keep holding GPU memory, unless the whole cgroup is killed.
+    supervisors; `kill -9 PIDS` for the manual procedure); the schedulers are SGLang's usual
+    children with PDEATHSIG, so they die with their parent whoever kills it;
+  * hard-orphans: the same with schedulers that escaped (SUPERVISORD_GPU_STANDIN_SCHEDULERS=
+    detached: setsid, double fork, re-parented to PID 1, as SGLang's DP workers under Slurm
+    do, upstream issue 23627): they survive a process-group kill and keep holding GPU memory,
+    unless the whole cgroup is killed.
 
 TEARDOWN_SIZES (default "1,4,16"), TEARDOWN_RUNS (default 3; 16 runs at most 2; the hard
 scenario runs once per size).
@@ -128,9 +132,13 @@ def poll_clear(sim: SimulatedGpus, gpus: set[int], ports: list[int], began: floa
         time.sleep(every)
 
 
-def standin_env(sim: SimulatedGpus, gpu: int, fault: str | None) -> dict[str, str]:
+SCENARIOS = {"graceful": (False, "children"), "hard": (True, "children"), "hard-orphans": (True, "detached")}
+
+
+def standin_env(sim: SimulatedGpus, gpu: int, fault: str | None, schedulers: str) -> dict[str, str]:
     env = {"SUPERVISORD_GPU_SIMGPU_DIR": str(sim.directory), "CUDA_VISIBLE_DEVICES": str(gpu),
-           "SUPERVISORD_GPU_STANDIN_STARTUP_S": str(STARTUP_S), "SUPERVISORD_GPU_STANDIN_MIB": "1000"}
+           "SUPERVISORD_GPU_STANDIN_STARTUP_S": str(STARTUP_S), "SUPERVISORD_GPU_STANDIN_MIB": "1000",
+           "SUPERVISORD_GPU_STANDIN_SCHEDULERS": schedulers}
     if fault:
         env["SUPERVISORD_GPU_STANDIN_FAULT"] = fault
     return env
@@ -142,9 +150,10 @@ def standin_argv(port: int) -> list[str]:
 
 # ----------------------------------------------------------------------------- supervisord-gpu
 
-def ours(n: int, tmp: Path, sandbox: CgroupSandbox, hard: bool) -> dict[str, float | int | None]:
+def ours(n: int, tmp: Path, sandbox: CgroupSandbox, hard: bool, schedulers: str) -> dict[str, float | int | None]:
     ports = free_ports(n)
-    fault = '\nSUPERVISORD_GPU_STANDIN_FAULT = "hang-on-term"' if hard else ""
+    fault = ('\nSUPERVISORD_GPU_STANDIN_FAULT = "hang-on-term"' if hard else "") + (
+        f'\nSUPERVISORD_GPU_STANDIN_SCHEDULERS = "{schedulers}"')
     text = "".join(f"""
 [servers.s{i}]
 gpus = [{i}]
@@ -197,13 +206,14 @@ def covered(spans: list[tuple[float, float]]) -> float:
 
 # ----------------------------------------------------------------------------- manual
 
-def manual(n: int, tmp: Path, hard: bool) -> dict[str, float | int | None]:
+def manual(n: int, tmp: Path, hard: bool, schedulers: str) -> dict[str, float | int | None]:
     ports = free_ports(n)
     sim = SimulatedGpus.create(tmp / "simgpu", max(n, 8))
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for i in range(n):
-            procs.append(subprocess.Popen(standin_argv(ports[i]), env={**os.environ, **standin_env(sim, i, None)}, cwd=REPO,
+            procs.append(subprocess.Popen(standin_argv(ports[i]), env={**os.environ, **standin_env(sim, i, None, schedulers)},
+                                          cwd=REPO,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         all_healthy(ports)
         watch = ExitWatch([p.pid for p in procs])
@@ -229,14 +239,14 @@ def manual(n: int, tmp: Path, hard: bool) -> dict[str, float | int | None]:
 
 # ----------------------------------------------------------------------------- supervisord 4.x
 
-def supervisord(n: int, tmp: Path, hard: bool) -> dict[str, float | int | None]:
+def supervisord(n: int, tmp: Path, hard: bool, schedulers: str) -> dict[str, float | int | None]:
     ports = free_ports(n)
     sim = SimulatedGpus.create(tmp / "simgpu", max(n, 8))
     conf = tmp / "supervisord.conf"
     sock = tmp / "supervisor.sock"
     programs = []
     for i in range(n):
-        env = ",".join(f'{k}="{v}"' for k, v in standin_env(sim, i, "hang-on-term" if hard else None).items())
+        env = ",".join(f'{k}="{v}"' for k, v in standin_env(sim, i, "hang-on-term" if hard else None, schedulers).items())
         programs.append(textwrap.dedent(f"""
             [program:s{i}]
             command = {' '.join(standin_argv(ports[i]))}
@@ -304,16 +314,15 @@ def collect(samples: list[dict[str, float | int | None]]) -> dict[str, object]:
 
 def main() -> dict[str, object]:
     sandbox = CgroupSandbox()
-    results: dict[str, dict[str, dict[str, object]]] = {"graceful": {}, "hard": {}}
+    results: dict[str, dict[str, dict[str, object]]] = {s: {} for s in SCENARIOS}
     try:
-        for scenario in ("graceful", "hard"):
-            hard = scenario == "hard"
+        for scenario, (hard, schedulers) in SCENARIOS.items():
             for n in SIZES:
                 runs = 1 if hard else runs_for(n)
                 entry: dict[str, object] = {}
-                for who, fn in (("supervisord_gpu", lambda t: ours(n, t, sandbox, hard)),
-                                ("manual", lambda t: manual(n, t, hard)),
-                                ("supervisord", lambda t: supervisord(n, t, hard))):
+                for who, fn in (("supervisord_gpu", lambda t: ours(n, t, sandbox, hard, schedulers)),
+                                ("manual", lambda t: manual(n, t, hard, schedulers)),
+                                ("supervisord", lambda t: supervisord(n, t, hard, schedulers))):
                     samples = []
                     for _ in range(runs):
                         with tempfile.TemporaryDirectory() as d:
@@ -336,9 +345,10 @@ def main() -> dict[str, object]:
         }
     result = {
         "what": f"teardown to verified idle (simulated GPUs free of live holders, ports free); N stand-in servers "
-                f"({STARTUP_S} s start-up, 1 simulated GPU each, a detached scheduler each); poll cap {CAP_S:g} s. "
-                f"graceful: stand-ins drain on SIGTERM. hard: hang-on-term killed at a {HARD_DEADLINE_S:g} s deadline "
-                "(supervisord-gpu: cgroup.kill; supervisord: killasgroup SIGKILL); manual: kill -9",
+                f"({STARTUP_S} s start-up, 1 simulated GPU each, its scheduler holding it); poll cap {CAP_S:g} s. "
+                f"graceful: stand-ins drain on SIGTERM (SGLang's 5 s drain poll). hard: hang-on-term killed at a "
+                f"{HARD_DEADLINE_S:g} s deadline (supervisord-gpu: cgroup.kill; supervisord: killasgroup SIGKILL); "
+                "manual: kill -9; schedulers are children with PDEATHSIG. hard-orphans: the same with detached schedulers",
         "results": results,
         "ratios_total_vs_supervisord_gpu_graceful": ratios,
     }

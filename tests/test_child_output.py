@@ -96,3 +96,28 @@ def test_a_reason_is_quoted_without_its_time_stamp_and_never_as_boilerplate():
         "Scheduler hit an exception: RuntimeError: boom"
     assert message_of("2026-12-01 08:47:14 ERROR smg::server: worker failed") == "ERROR smg::server: worker failed"
     assert not is_reason("[2026-12-01 08:00:00] Received sigquit from a child process. It usually means the child failed.")
+
+
+def test_a_status_naming_a_holder_in_utf8_reaches_the_notify_socket(tmp_path, monkeypatch):
+    """sdnotify's own notify() encodes Latin-1 and drops the rest silently: a STATUS= quoting
+    a shortened command line ("python3 -c …") never reached systemd, which kept "starting"."""
+    import socket
+
+    from supervisord_gpu.systemd.notify import Notifier
+
+    path = str(tmp_path / "notify")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(5)
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    Notifier().status("failed: server: port 127.0.0.1:30300 is held by pid 125 (user nobody) python3 -c import … (foreign)")
+    assert sock.recv(4096).decode() == (
+        "STATUS=failed: server: port 127.0.0.1:30300 is held by pid 125 (user nobody) python3 -c import … (foreign)")
+
+
+def test_access_log_lines_are_not_start_up_progress():
+    from supervisord_gpu.sglang.logs import is_access_log
+
+    assert is_access_log('[2026-12-01 10:00:00] INFO:     127.0.0.1:47052 - "GET /health HTTP/1.1" 503 Service Unavailable')
+    assert is_access_log('2026-12-01 09:44:42 ERROR http_request{method=GET uri=/readiness version=HTTP/1.1} request failed')
+    assert not is_access_log("[2026-12-01 10:00:00 TP0] Load weight begin. avail mem=139.22 GB")

@@ -172,7 +172,8 @@ def test_a_stranger_taking_the_port_while_the_server_loads_fails_the_start_and_r
              "the start to fail")
     assert "active" not in states
     status = box.systemctl("show", "-P", "StatusText", "dsv4@tp4-512k").stdout
-    assert "30300 is held by pid" in status and "(user nobody)" in status and "squatter.service" in status, status
+    assert "30300 is held by pid" in status and "(user nobody)" in status and "squatter.service" in status, (
+        status + box.journal("dsv4@tp4-512k")[-4000:])
     journal = box.journal("dsv4@tp4-512k")
     assert "instance ready" not in journal and "Started supervisord-gpu instance" not in journal
     box.systemctl("stop", "squatter", check=False)

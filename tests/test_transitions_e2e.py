@@ -150,7 +150,7 @@ def test_gpusupctl_switch_dry_run_prints_the_ordered_plan(box):
     out = box.run([f"{box_repo()}/.venv/bin/gpusupctl", "switch", "tp4-512k", "--from", "pd-1p1d", "--dry-run"]).stdout
     assert "plan: switch to tp4-512k from pd-1p1d" in out
     assert "stop dsv4@pd-1p1d (systemd): router -> decode -> prefill" in out
-    assert "wait until GPUs 0,1,2,3 are idle and 0.0.0.0:30001 free" in out
+    assert "wait until GPUs 0,1,2,3 are idle and 127.0.0.1:30300, 0.0.0.0:30001, 127.0.0.1:30092 free" in out
     assert box.is_active("dsv4@pd-1p1d") == "active"  # a dry run touches nothing
 
 

@@ -207,7 +207,8 @@ class ManagedProcess:
             self.tmpdir.clear()
 
     async def _pump(self, stream: asyncio.StreamReader, name: str) -> None:
-        """Forward what the child prints; any byte of it, `\r` progress included, is progress."""
+        """Forward what the child prints; every line and `\r` progress update of it is progress
+        (but the access log, which echoes our own probes)."""
         splitter = OutputSplitter()
         while True:
             raw = await stream.read(READ_CHUNK)
@@ -215,7 +216,6 @@ class ManagedProcess:
                 for line in splitter.close():
                     self._on_line(line, name)
                 return
-            self.last_output_at = time.monotonic()
             split = splitter.feed(raw)
             for line in split.lines:
                 self._on_line(line, name)
@@ -225,6 +225,8 @@ class ManagedProcess:
     def _on_line(self, raw: str, stream: str) -> None:
         line = phases.strip_ansi(raw)
         priority = phases.priority_of(line)
+        if not phases.is_access_log(line):  # our own probes echoed back are not progress
+            self.last_output_at = time.monotonic()
         self.tail.append(line)
         if stream == self._progress_stream:
             self.progress_text = ""  # the bar finished (or a line ended it)
@@ -239,6 +241,7 @@ class ManagedProcess:
         """A redrawn progress bar: shown in status at once, in the journal every PROGRESS_LOG_S."""
         text = phases.strip_ansi(raw).strip()
         self.progress_text, self._progress_stream = text[:200], stream
+        self.last_output_at = time.monotonic()
         now = time.monotonic()
         if now - self._progress_logged_at >= PROGRESS_LOG_S:
             self._progress_logged_at = now
@@ -392,7 +395,7 @@ class ManagedProcess:
 
     def _failure(self, why: str) -> str:
         tail = "\n".join(f"    {line}" for line in list(self.tail)[-10:])
-        return f"{self.name}: {why}" + (f"; last lines:\n{tail}" if tail else "")
+        return f"{self.name}: {why}" + (f"\n  last lines:\n{tail}" if tail else "")
 
     # ------------------------------------------------------------------ stop
 

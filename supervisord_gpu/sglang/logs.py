@@ -74,6 +74,15 @@ def is_reason(line: str) -> bool:
     return not any(g in line for g in _GENERIC)
 
 
+# uvicorn's access log ('INFO:     127.0.0.1:47052 - "GET /health HTTP/1.1" 503') and the router's
+# request spans: the echo of requests (our own probes among them), not a sign of start-up progress
+_ACCESS = re.compile(r'"(?:GET|POST|PUT|DELETE|HEAD|PATCH|OPTIONS) \S+ HTTP/\d(?:\.\d)?" \d{3}|http_request\{method=')
+
+
+def is_access_log(line: str) -> bool:
+    return _ACCESS.search(line) is not None
+
+
 def strip_ansi(line: str) -> str:
     """The text without terminal escape sequences (the router colours its lines even in a pipe)."""
     return _ANSI.sub("", line) if "\x1b" in line else line

@@ -81,8 +81,13 @@ class Notifier:
             return
         if self._send_fn is not None:
             self._send_fn(message)
-        elif self._sd is not None:
-            self._sd.notify(message)
+        elif self._sd is not None and self._sd.socket is not None:
+            # Not sdnotify's notify(): it encodes Latin-1 and silently drops anything else, so a
+            # STATUS= naming a holder's command line ("python3 -c …") never reached systemd.
+            try:
+                self._sd.socket.sendall(message.encode("utf-8", "replace"))
+            except OSError:
+                pass
 
     def barrier(self, timeout: float = 5.0) -> bool:
         """Wait until systemd has processed everything sent so far (BARRIER=1, systemd >= 246).
