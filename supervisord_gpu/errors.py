@@ -30,8 +30,15 @@ class ConfigError(SupervisorError):
         self.path = str(path)
         self.key = key
         self.problem = problem
-        where = f"{self.path}: {key}: " if key else f"{self.path}: "
-        super().__init__(where + problem)
+        where = f"{one_line(self.path)}: {one_line(key)}: " if key else f"{one_line(self.path)}: "
+        super().__init__(where + one_line(problem))
+
+
+def one_line(text: str) -> str:
+    """Control characters escaped (a quoted TOML key may hold a newline): a message stays one line."""
+    if all(ch >= " " and ch != "\x7f" for ch in text):
+        return text
+    return "".join(ch if ch >= " " and ch != "\x7f" else ch.encode("unicode_escape").decode() for ch in text)
 
 
 class UsageError(SupervisorError):

@@ -147,6 +147,9 @@ BAD_PROFILES = [
      "router.options.prometheus-port: must be a port number between 1 and 65535, not ''"),
     ("a port option out of range", GOOD.replace("tp-size = 2", "tp-size = 2\ndisaggregation-bootstrap-port = 70000"),
      "servers.prefill.options.disaggregation-bootstrap-port: must be a port number between 1 and 65535, not 70000"),
+    ("a list value smuggling a managed flag", GOOD.replace("tp-size = 2", 'tp-size = 2\ngc-threshold = ["1", "--host", "0.0.0.0"]'),
+     "servers.prefill.options.gc-threshold: value '--host' would be read as another flag"),
+    ("a key with a newline stays one line", GOOD + '\n"bad\\nkey" = 1\n', "router.options.bad\\nkey: must be a full long option name"),
     ("unknown user", GOOD.replace('role = "decode"', 'role = "decode"\nuser = "no-such-user-here"'),
      "servers.decode.user: no such user 'no-such-user-here' on this machine"),
 ]

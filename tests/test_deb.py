@@ -190,7 +190,7 @@ def test_installed_package_runs_an_instance_that_root_and_users_can_see_but_only
     assert c.is_active("dsv4@tp4-512k") == "active"
     for user in (None, "alice"):
         out = c.run(["gpusupctl", "status"], user=user).stdout
-        assert "dsv4@tp4-512k.service" in out and "ready: 1 server on 0.0.0.0:30001, GPUs 0-3" in out, out
+        assert "dsv4@tp4-512k.service" in out and "ready: 1 server behind router on 0.0.0.0:30001, GPUs 0-3" in out, out
     refused = c.run(["gpusupctl", "stop", "tp4-512k"], user="alice", check=False)
     assert refused.returncode == 1 and "refused" in refused.stderr
     assert c.is_active("dsv4@tp4-512k") == "active"

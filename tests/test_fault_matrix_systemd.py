@@ -5,7 +5,7 @@ driver). Here the same faults hit the real thing: `dsv4@pd-1p1d` (and `dsv4@tp4-
 transitions) started by systemd 252 in the test rig's container, each process in its own
 transient scope, the daemon talking sd_notify and D-Bus. Faults:
 
-    crash        the stand-in exits 1 (crash-on-start; crash-after-ready, on every start)
+    crash        the stand-in crashes (crash-on-start; crash-after-ready, on every start): SIGKILLs itself
     sigkill      `kill -9` of a process's main PID, or of the daemon
     hang         the process stops answering and ignores SIGTERM (never-ready, hang-on-term,
                  or SIGSTOP for the real router)
@@ -275,7 +275,8 @@ def inject_ready(box, case: Case) -> str:  # type: ignore[no-untyped-def]
     if f == "crash":
         wait_for(lambda: box.is_active(unit(PD)) == "failed", 60, "the restart limit")
         status = show(box, PD, "StatusText")
-        assert status.startswith(f"failed: {t} exit code 1; restart limit reached"), status
+        assert status.startswith(f"failed: {t} crashed: SGLang killed itself after a scheduler failed"), status
+        assert "restart limit reached (2/2" in status, status
         return show(box, PD, "StatusText")
     if f == "sigkill":
         kill(box, old_main)  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,12 +100,12 @@ class SimulatedGpus:
         for entry in entries:
             if entry.name.startswith("."):
                 continue  # a holding being written (_atomic_write's temporary), not a holding yet
-            try:
-                record = json.loads(_read_small(entry.path))
-            except (OSError, ValueError):
-                continue
-            if _alive(record["pid"], record["create_time"], boot):
-                found.append(SimHolding(record["pid"], tuple(record["gpus"]), record["mib"]))
+            holding = _parse_holding(entry.path)
+            if holding is None:
+                continue  # not a holding: a FIFO, a directory, garbage (anyone may have written it)
+            holding, create_time = holding
+            if _alive(holding.pid, create_time, boot):
+                found.append(holding)
             else:
                 try:
                     os.unlink(entry.path)
@@ -159,10 +160,27 @@ def _alive(pid: int, create_time: float, boot: float | None = None) -> bool:
         return False
 
 
-def _read_small(path: str) -> bytes:
-    """One read(2) of a small file: half the cost of open()/json.load on this hot path."""
-    fd = os.open(path, os.O_RDONLY)
+def _parse_holding(path: str) -> tuple[SimHolding, float] | None:
+    """A holding file read defensively: a regular file (never a FIFO that would block the
+    read, never through a symlink), small, with the fields and types hold() writes."""
     try:
+        record = json.loads(_read_small(path, regular_only=True))
+        pid, create_time, gpus, mib = record["pid"], record["create_time"], record["gpus"], record["mib"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if not (type(pid) is int and pid > 0 and isinstance(create_time, (int, float)) and isinstance(gpus, list)
+            and all(type(g) is int and g >= 0 for g in gpus) and type(mib) is int and mib >= 0):
+        return None
+    return SimHolding(pid, tuple(gpus), mib), float(create_time)
+
+
+def _read_small(path: str, regular_only: bool = False) -> bytes:
+    """One read(2) of a small file: half the cost of open()/json.load on this hot path."""
+    flags = os.O_RDONLY | (os.O_NONBLOCK | os.O_NOFOLLOW if regular_only else 0)
+    fd = os.open(path, flags)
+    try:
+        if regular_only and not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
         return os.read(fd, 65536)
     finally:
         os.close(fd)

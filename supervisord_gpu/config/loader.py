@@ -50,9 +50,9 @@ SERVER_PROBE = Probe(path="/health", interval_s=0.5, timeout_s=timing.HEALTH_VER
 ROUTER_PROBE = Probe(path="/readiness", interval_s=0.2, timeout_s=5.0, liveness_path="/liveness",
                      liveness_interval_s=10.0, liveness_timeout_s=10.0, failures=3)
 
-OPTION_KEY_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
-ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-HUMAN_INT_RE = re.compile(r"^\s*(\d+)\s*(k|K|m|M|g|G|Ki|Mi|Gi)?\s*$")
+OPTION_KEY_RE = re.compile(r"^[a-z0-9][a-z0-9-]*\Z")
+ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+HUMAN_INT_RE = re.compile(r"^\s*(\d+)\s*(k|K|m|M|g|G|Ki|Mi|Gi)?\s*\Z")
 _SI = {"": 1, "k": 10**3, "K": 10**3, "m": 10**6, "M": 10**6, "g": 10**9, "G": 10**9}
 _IEC = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
 
@@ -507,6 +507,11 @@ def _options(t: Table, managed: dict[str, str]) -> tuple[tuple[str, OptionValue]
             raise ConfigError(t.path, key, f"must be a string, number, boolean or list, not {type_name(v)}")
         if isinstance(v, str) and ("\x00" in v):
             raise ConfigError(t.path, key, "must not contain NUL characters")
+        for item in (v if isinstance(v, tuple) else (v,)):
+            if isinstance(item, str) and item.startswith("--"):
+                # ["1", "--host", "0.0.0.0"] would render as a second --host that argparse takes last
+                raise ConfigError(t.path, key, f"value {item!r} would be read as another flag; "
+                                               "a value may not start with '--'")
         out.append((k, v))
     return tuple(out)
 

@@ -63,14 +63,31 @@ def render_options(options: tuple[tuple[str, OptionValue], ...]) -> list[str]:
 
 
 def server_args(spec: ProcessSpec) -> list[str]:
-    args = ["--model-path", spec.model_path or "", "--host", spec.host, "--port", str(spec.port)]
+    managed = ["--model-path", spec.model_path or "", "--host", spec.host, "--port", str(spec.port)]
     if spec.role in ("prefill", "decode"):
-        args += ["--disaggregation-mode", spec.role]
-    return args + render_options(spec.options)
+        managed += ["--disaggregation-mode", spec.role]
+    return checked_once(spec, managed, render_options(spec.options))
+
+
+def checked_once(spec: ProcessSpec, managed: list[str], rest: list[str]) -> list[str]:
+    """The argv as a whole: every flag the profile's own keys set appears exactly once, with our
+    value. The loader already refuses managed keys in options and values that start with '--';
+    this is the last look before anything runs, at what SGLang's argparse will actually see."""
+    flags = managed[0::2]
+    for token in rest:
+        name = token.split("=", 1)[0]
+        if any(f == name or (name.startswith("--") and len(name) > 2 and f.startswith(name)) for f in flags):
+            raise ConfigError("", f"{spec.key}.options", f"the rendered command line would set {name} again "
+                                                         f"(the profile sets it: {' '.join(managed)})")
+    return managed + rest
 
 
 def router_args(spec: ProcessSpec, profile: Profile) -> list[str]:
-    args = ["--host", spec.host, "--port", str(spec.port)]
+    return checked_once(spec, ["--host", spec.host, "--port", str(spec.port)], _router_topology(spec, profile))
+
+
+def _router_topology(spec: ProcessSpec, profile: Profile) -> list[str]:
+    args: list[str] = []
     if spec.router_mode == "pd":
         args.append("--pd-disaggregation")
         for name in spec.prefill:
@@ -118,14 +135,17 @@ def render(profile: Profile, cfg: DaemonConfig, rehearsal_env: Mapping[str, str]
         # Rehearsal defaults next, so a profile's own env (a fault to inject, a start-up time) wins.
         env += list(rehearsal_env.items()) if rehearsal_env is not None else []
         env += spec.env
-        if spec.kind == "server":
-            # GPU indices in a profile are NVML's (nvidia-smi's), which follow the PCI bus; CUDA's
-            # default order is "fastest first", so without PCI_BUS_ID index 0 may be another card.
-            env[:0] = [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", ",".join(str(g) for g in spec.gpus))]
-            program = (sys.executable, *STANDIN_SERVER) if rehearsal_env is not None else cfg.sglang_command
-            argv = (*program, *server_args(spec))
-        else:
-            program = router_program(cfg) if rehearsal_env is not None else cfg.router_command
-            argv = (*program, *router_args(spec, profile))
+        try:
+            if spec.kind == "server":
+                # GPU indices in a profile are NVML's (nvidia-smi's), which follow the PCI bus; CUDA's
+                # default order is "fastest first", so without PCI_BUS_ID index 0 may be another card.
+                env[:0] = [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", ",".join(str(g) for g in spec.gpus))]
+                program = (sys.executable, *STANDIN_SERVER) if rehearsal_env is not None else cfg.sglang_command
+                argv = (*program, *server_args(spec))
+            else:
+                program = router_program(cfg) if rehearsal_env is not None else cfg.router_command
+                argv = (*program, *router_args(spec, profile))
+        except ConfigError as e:
+            raise ConfigError(profile.path, e.key, e.problem) from None
         launches.append(Launch(spec, tuple(argv), tuple(env), spec.user, tmpdir, cache_root))
     return launches

@@ -14,11 +14,11 @@ UNIT_PREFIX = "dsv4"
 SERVICE_TEMPLATE = f"{UNIT_PREFIX}@.service"
 CGROUPFS_ROOT_NAME = "supervisord-gpu"
 
-INSTANCE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-PROCESS_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+INSTANCE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
+PROCESS_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}\Z")
 
-_SCOPE_RE = re.compile(rf"^{UNIT_PREFIX}-(?P<instance>.+)-(?P<process>[a-z][a-z0-9_]*)\.scope$")
-_SERVICE_RE = re.compile(rf"^{UNIT_PREFIX}@(?P<instance>.+)\.service$")
+_SCOPE_RE = re.compile(rf"^{UNIT_PREFIX}-(?P<instance>.+)-(?P<process>[a-z][a-z0-9_]*)\.scope\Z")
+_SERVICE_RE = re.compile(rf"^{UNIT_PREFIX}@(?P<instance>.+)\.service\Z")
 
 
 @dataclass(frozen=True)
