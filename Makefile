@@ -24,7 +24,12 @@ test-setup: $(STAMP)
 	@if [ "$$(id -u)" = 0 ] && ! dpkg -s $(TEST_APT_PKGS) >/dev/null 2>&1; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(TEST_APT_PKGS) >/dev/null; fi
 
+# The shipped profiles run as the package's unprivileged user (what the .deb's postinst creates).
+SERVER_USER = sglang
+
 rehearse: $(STAMP)
+	@if [ "$$(id -u)" = 0 ] && ! getent passwd $(SERVER_USER) >/dev/null; then \
+	    useradd --system --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin $(SERVER_USER); fi
 	$(VENV)/bin/gpusupctl rehearse $(PROFILE) --config-dir etc/supervisord-gpu
 
 test: test-setup

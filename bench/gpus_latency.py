@@ -32,7 +32,7 @@ def main() -> dict[str, object]:
     with tempfile.TemporaryDirectory() as d:
         cdir = Path(d) / "etc"
         (cdir / "profiles").mkdir(parents=True)
-        (cdir / "supervisord-gpu.toml").write_text(f'[rehearsal]\nsimgpu_dir = "{d}/sim"\n')
+        (cdir / "supervisord-gpu.toml").write_text(f'[daemon]\ndefault_user = "root"\n[rehearsal]\nsimgpu_dir = "{d}/sim"\n')
         (cdir / "profiles" / "tp4-512k.toml").write_text((REPO / "etc/supervisord-gpu/profiles/tp4-512k.toml").read_text())
         sim = SimulatedGpus.create(Path(d) / "sim", 8)
         holders = [subprocess.Popen([sys.executable, "-c", f"import sys,time; sys.path.insert(0,{str(REPO)!r}); "

@@ -73,13 +73,15 @@ def one_stop(tmp, cgroups, with_router: bool) -> dict[str, float]:  # type: igno
         with RequestLoop(f"http://127.0.0.1:{front}", clients=CLIENTS, tokens=TOKENS) as loop:
             await asyncio.sleep(2.0)
             began = time.monotonic()
+            served_before = loop.ok
             await instance.stop()
             took = time.monotonic() - began
             await asyncio.sleep(0.5)
-        return loop, took
+        return loop, took, loop.ok - served_before
 
-    loop, took = asyncio.run(go())
-    return {"cut": len(loop.lost), "ok": loop.ok, "refused": loop.refused + loop.unavailable, "stop_s": took}
+    loop, took, during = asyncio.run(go())
+    return {"cut": len(loop.lost), "served_during_stop": during, "refused": loop.refused + loop.unavailable,
+            "stop_s": took}
 
 
 def latency(tmp, cgroups, n: int = 60) -> dict[str, float]:  # type: ignore[no-untyped-def]
@@ -129,7 +131,7 @@ def main() -> None:
             lat = latency(Path(d), cgroups)
     finally:
         cgroups.destroy()
-    rows = [("profile", "requests cut (median)", "stop took (median)", "served during the run")]
+    rows = [("profile", "requests cut (median)", "stop took (median)", "served while stopping", "refused (not accepted)")]
     out: dict[str, object] = {"clients": CLIENTS, "request_s": TOKEN_S * TOKENS, "stop_timeout_s": STOP_TIMEOUT_S,
                               "runs": RUNS, "latency": lat}
     for key, runs in results.items():
@@ -137,7 +139,8 @@ def main() -> None:
         stop = summary([r["stop_s"] for r in runs])
         out[key] = {"cut": cut, "stop_s": stop, "raw": runs}
         rows.append((key.replace("_", " "), f"{cut['median']:g}", f"{stop['median']:.2f} s",
-                     f"{statistics.median(r['ok'] for r in runs):g}"))
+                     f"{statistics.median(r['served_during_stop'] for r in runs):g}",
+                     f"{statistics.median(r['refused'] for r in runs):g}"))
     print(table(rows))
     print(f"router hop: {lat['routed_ms']:.1f} ms median vs {lat['direct_ms']:.1f} ms straight to the server "
           f"(+{lat['routed_ms'] - lat['direct_ms']:.1f} ms)")

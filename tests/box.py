@@ -43,6 +43,9 @@ def box(fresh_systemd_container):  # type: ignore[no-untyped-def]
         ctr.write_file("/etc/dbus-1/system.d/org.supervisordgpu.conf",
                        (REPO / "etc" / "dbus-1" / "system.d" / "org.supervisordgpu.conf").read_text())
         ctr.run(["groupadd", "-f", "--system", "gpusup"])
+        if ctr.run(["getent", "passwd", "sglang"], check=False).returncode != 0:  # what the .deb's postinst creates
+            ctr.run(["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent",
+                     "--shell", "/usr/sbin/nologin", "sglang"])
         ctr.systemctl("reload", "dbus")
         ctr.daemon_reload()
 

@@ -99,6 +99,7 @@ def write_config(
             cgroup_root = "{cgroup_root}"
             runtime_dir = "{tmp / 'run'}"
             cache_dir = "{tmp / 'cache'}"
+            default_user = "root"
             [gpus]
             backend = "simulated"
             wait_idle_timeout = 5
@@ -129,6 +130,7 @@ def flood_config(tmp: Path, cgroup_root: Path, port: int, seconds: float, rate: 
         cgroup_root = "{cgroup_root}"
         runtime_dir = "{tmp / 'run'}"
         cache_dir = "{tmp / 'cache'}"
+        default_user = "root"
         [sglang]
         server_command = ["{sys.executable}", "{Path(__file__).resolve().parent / 'flood_child.py'}"]
         [gpus]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 
 from supervisord_gpu.engine.output import LINE_LIMIT, OutputSplitter
-from supervisord_gpu.sglang.exits import describe_exit
+from supervisord_gpu.sglang.exits import describe_exit, with_error
 from supervisord_gpu.sglang.logs import phase_of, priority_of, strip_ansi
 
 BAR = "Loading safetensors checkpoint shards:  {p}% Completed | {n}/5 [00:0{n}<00:03,  1.2it/s]"
@@ -70,21 +70,21 @@ def test_router_lines_lose_their_colours_and_keep_their_level():
 
 
 def test_exits_say_what_happened():
-    crashed = describe_exit(-signal.SIGKILL, "Scheduler hit an exception: RuntimeError: boom",
-                            ("Received sigquit from a child process",))
-    assert crashed == "crashed: SGLang killed itself after a scheduler failed: Scheduler hit an exception: RuntimeError: boom"
+    crashed = describe_exit(-signal.SIGKILL, ("Received sigquit from a child process",))
+    assert crashed == "crashed: SGLang killed itself after a scheduler failed"  # our words: what STATUS= may show
+    assert with_error(crashed, "RuntimeError: boom") == \
+        "crashed: SGLang killed itself after a scheduler failed: RuntimeError: boom"  # and the journal's
     assert describe_exit(-signal.SIGKILL, sent={signal.SIGKILL: "still running 60 s after SIGTERM"}) == \
         "killed by SIGKILL (still running 60 s after SIGTERM)"
     # SIGTERMed by us, then SGLang's own crash path: a crash, not our kill
-    assert describe_exit(-signal.SIGKILL, "RuntimeError: boom", ("Scheduler hit an exception",),
+    assert describe_exit(-signal.SIGKILL, ("Scheduler hit an exception",),
                          sent={signal.SIGTERM: "stopped by the supervisor"}).startswith("crashed: SGLang killed itself")
     holder = "port 127.0.0.1:30000 (server) held by pid 4711 (user mallory) nc -l 30000"
     assert describe_exit(3, saw=("error while attempting to bind",), port_holder=holder) == \
         f"exit code 3: its port was taken: {holder}"
     assert describe_exit(1, saw=("Address already in use",)) == "exit code 1: its port was taken by another process"
-    assert describe_exit(-signal.SIGKILL, "ERROR smg::response: request failed") == "killed by SIGKILL"
-    assert describe_exit(2, "launch_server.py: error: unrecognized arguments: --tp 4") == \
-        "exit code 2: the command line was rejected: launch_server.py: error: unrecognized arguments: --tp 4"
+    assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL"
+    assert describe_exit(2) == "exit code 2: the command line was rejected"
     assert describe_exit(-signal.SIGTERM, sent={signal.SIGTERM: "stopped by the supervisor"}) == \
         "killed by SIGTERM (stopped by the supervisor)"
 

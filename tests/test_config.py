@@ -31,7 +31,7 @@ prometheus-port = 31009
 """
 
 
-def setup_dir(tmp_path, profile_text: str, daemon_text: str = "[daemon]\n"):
+def setup_dir(tmp_path, profile_text: str, daemon_text: str = "[daemon]\ndefault_user = \"root\"\n"):
     (tmp_path / "profiles").mkdir(exist_ok=True)
     (tmp_path / "supervisord-gpu.toml").write_text(daemon_text)
     (tmp_path / "profiles" / "p.toml").write_text(textwrap.dedent(profile_text))
@@ -216,3 +216,39 @@ def test_a_profile_writable_by_others_is_refused_when_running_as_root(tmp_path, 
     (cdir / "profiles" / "p.toml").chmod(0o666)
     assert gpusupctl.main(["render", "p", "--config-dir", str(cdir)]) == 2
     assert "is writable by non-root users" in one_line_error(capsys)
+
+
+def test_a_process_without_a_user_is_refused_and_root_must_be_asked_for(tmp_path, capsys):
+    cdir = setup_dir(tmp_path, GOOD, "[daemon]\n")
+    assert gpusupctl.main(["render", "p", "--config-dir", str(cdir)]) == 2
+    assert "servers.prefill.user: is not set, so it would run as the daemon's user (root)" in one_line_error(capsys)
+    cdir = setup_dir(tmp_path, "[defaults]\nuser = \"root\"\n" + GOOD, "[daemon]\n")
+    assert gpusupctl.main(["render", "p", "--config-dir", str(cdir)]) == 0
+
+
+def test_a_name_with_a_trailing_newline_is_not_a_profile_name(tmp_path, capsys):
+    cdir = setup_dir(tmp_path, GOOD)
+    assert gpusupctl.main(["render", "p\n", "--config-dir", str(cdir)]) == 2
+    assert "is not a valid profile name" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("what", ["daemon config", "config directory", "profiles directory"])
+def test_as_root_a_config_anyone_could_have_written_is_refused(tmp_path, capsys, what):
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("strict modes apply to a daemon running as root")
+    cdir = setup_dir(tmp_path, GOOD)
+    os.chmod(cdir, 0o755)
+    target = {"daemon config": cdir / "supervisord-gpu.toml", "config directory": cdir,
+              "profiles directory": cdir / "profiles"}[what]
+    os.chmod(target, 0o777 if target.is_dir() else 0o666)
+    assert gpusupctl.main(["render", "p", "--config-dir", str(cdir)]) == 2
+    err = one_line_error(capsys)
+    assert f"{target}: is writable by non-root users" in err, err
+
+
+def test_strict_modes_cannot_be_switched_off(tmp_path, capsys):
+    cdir = setup_dir(tmp_path, GOOD, "[daemon]\nstrict_modes = false\n")
+    assert gpusupctl.main(["render", "p", "--config-dir", str(cdir)]) == 2
+    assert "daemon.strict_modes: can no longer be turned off" in one_line_error(capsys)

@@ -84,8 +84,8 @@ def test_start_failure_of_one_process_stops_all_others_and_names_it(tmp_path, cg
         return str(info.value)
 
     message = asyncio.run(go())
-    assert message.startswith(f"{who}: exited during start-up (crashed: SGLang killed itself after a scheduler failed: "
-                              "RuntimeError: injected fault crash-on-start"), message
+    assert message.startswith(f"{who}: exited during start-up (crashed: SGLang killed itself after a scheduler failed)\n"
+                              "  last error: RuntimeError: injected fault crash-on-start"), message
     assert "last lines" in message
     assert instance.state == State.FAILED
     assert instance.processes[other].state == State.STOPPED

@@ -280,8 +280,8 @@ async def run_engine_case(case: Case, tmp: Path, cgroups, made: list) -> tuple[s
             with pytest.raises(StartError) as info:
                 await asyncio.wait_for(instance.start(), 60)
             message = str(info.value)
-            why = ("exited during start-up (crashed: SGLang killed itself after a scheduler failed: RuntimeError: "
-                   "injected fault crash-on-start" if f == "crash" else "not ready within its start_timeout of 2 s")
+            why = ("exited during start-up (crashed: SGLang killed itself after a scheduler failed)\n  last error: "
+                   "RuntimeError: injected fault crash-on-start" if f == "crash" else "not ready within its start_timeout of 2 s")
             assert message.startswith(f"{t}: {why}"), message
         elif f == "sigkill":
             async def inject() -> None:

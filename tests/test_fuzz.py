@@ -96,7 +96,7 @@ def run_cli(argv: list[str]) -> tuple[int, str, str]:
 def config_dir():  # type: ignore[no-untyped-def]
     d = Path(tempfile.mkdtemp(prefix="gpusup-fuzz-"))
     (d / "profiles").mkdir()
-    (d / "supervisord-gpu.toml").write_text("[rehearsal]\nsimgpu_dir = \"%s\"\n" % (d / "sim"))
+    (d / "supervisord-gpu.toml").write_text("[daemon]\ndefault_user = \"root\"\n[rehearsal]\nsimgpu_dir = \"%s\"\n" % (d / "sim"))
     return d
 
 

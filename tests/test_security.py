@@ -41,7 +41,7 @@ def test_hostile_option_values_reach_sglang_as_one_literal_argument(tmp_path, cg
     assert not any(os.path.exists(f"/tmp/gpusup-pwned-{i}") for i in (1, 2, 3))
 
 
-def test_children_run_as_the_profile_user_not_root(cgroups):
+def test_children_run_as_the_profile_user_not_root(cgroups, monkeypatch):
     import shutil
     import tempfile
     from pathlib import Path
@@ -56,9 +56,8 @@ def test_children_run_as_the_profile_user_not_root(cgroups):
         model_path = "/m"
         user = "nobody"
         """}, cgroups.root, startup=0.2)
+    monkeypatch.setenv("GPUSUP_TEST_DAEMON_ONLY", "root's own")
     instance, cfg = make_instance(cdir, "p")
-    for d in (tmp_path / "simgpu", tmp_path / "simgpu" / "holders"):
-        os.chmod(d, 0o1777)  # the stand-in (as nobody) records its simulated GPU memory there
 
     async def go() -> tuple[set[int], set[tuple[int, ...]], dict[str, str], int]:
         await instance.start()
@@ -78,6 +77,8 @@ def test_children_run_as_the_profile_user_not_root(cgroups):
     # its own group and supplementary groups, never root's group 0 or root's groups
     assert groups == {(nobody.pw_gid, *sorted(os.getgrouplist("nobody", nobody.pw_gid)))}, groups
     assert env["HOME"] == nobody.pw_dir and env["USER"] == env["LOGNAME"] == "nobody"
+    assert "GPUSUP_TEST_DAEMON_ONLY" not in env and "INVOCATION_ID" not in env  # not the daemon's environment
+    assert env["TMPDIR"].endswith("/p/tmp/server") and env["TRITON_CACHE_DIR"].endswith("/cache/nobody/sglang/triton")
     assert me == 0
 
 

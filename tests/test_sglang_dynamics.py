@@ -324,9 +324,10 @@ def test_a_crash_is_reported_as_sglang_killing_itself_with_its_last_error(tmp_pa
         await asyncio.wait_for(instance.failed.wait(), 30)
 
     asyncio.run(go())
-    last = instance.processes["server"].last_exit
-    assert last.startswith("crashed: SGLang killed itself after a scheduler failed"), last
-    assert "injected fault crash-after-ready" in last
+    server = instance.processes["server"]
+    assert server.last_exit == "crashed: SGLang killed itself after a scheduler failed", server.last_exit
+    assert server.last_error.startswith("RuntimeError: injected fault crash-after-ready"), server.last_error
+    assert "injected fault" not in instance.reason  # the child's words stay out of STATUS= and the bus
 
 
 def test_no_shared_memory_or_ipc_file_of_a_killed_server_remains_and_the_other_servers_stay(tmp_path, cgroups):

@@ -64,6 +64,7 @@ def write_config(cdir: Path, n: int) -> None:
 [daemon]
 ownership = "cgroupfs"
 runtime_dir = "/tmp/gpusup-run"
+default_user = "root"
 [sglang]
 server_command = {json.dumps(standin)}
 router_command = {json.dumps(router)}

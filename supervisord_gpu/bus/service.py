@@ -44,6 +44,11 @@ class Controls:
         self.process_names = process_names
 
 
+def bounded(text: str, limit: int = 64) -> str:
+    """What a caller sent, echoed back at most `limit` characters long (a 1 MiB name slowed every reader)."""
+    return repr(text[:limit]) + (f" (and {len(text) - limit} more characters)" if len(text) > limit else "")
+
+
 def uid_may_control(uid: int, group: str) -> bool:
     if uid == 0:
         return True
@@ -68,41 +73,60 @@ class InstanceObject:
         self._group = control_group
         self._caller_uid = caller_uid
         self.snapshot = json.dumps({"instance": instance, "state": "starting", "processes": []})
+        self.public_snapshot = self.snapshot  # the same without the children's own words
         self.status_text = "starting"
+        self._control_busy = threading.Lock()  # one control call at a time per instance
         self.state = "starting"
         self.emitter: Callable[[str, str, str, str], None] | None = None
 
     # ---------------------------------------------------------------- authorization
 
-    def _authorize(self, dbus_context: Any, method: str) -> None:
+    def _privileged(self, dbus_context: Any) -> tuple[bool, int]:
         sender = dbus_context.sender if dbus_context is not None else None
         uid = self._caller_uid(sender) if sender else 0
-        if not uid_may_control(uid, self._group):
+        return uid_may_control(uid, self._group), uid
+
+    def _authorize(self, dbus_context: Any, method: str) -> None:
+        allowed, uid = self._privileged(dbus_context)
+        if not allowed:
             raise AccessDenied(f"{method} needs root or membership of group {self._group!r} (caller uid {uid})")
 
-    def _schedule(self, coro_fn: Callable[[], Any]) -> None:
-        async def runner() -> None:
-            await coro_fn()
+    def _schedule(self, method: str, coro_fn: Callable[[], Any]) -> None:
+        """Run a control on the daemon's loop; while one runs, the next is refused as busy (50
+        restarts at once would otherwise pile up on one instance)."""
+        if not self._control_busy.acquire(blocking=False):
+            raise Busy(f"{method}: instance {self._instance} is busy with another control call; try again when it is done")
 
-        asyncio.run_coroutine_threadsafe(runner(), self._loop)
+        async def runner() -> None:
+            try:
+                await coro_fn()
+            finally:
+                self._control_busy.release()
+
+        try:
+            asyncio.run_coroutine_threadsafe(runner(), self._loop)
+        except BaseException:
+            self._control_busy.release()
+            raise
 
     # ---------------------------------------------------------------- reads
 
     @export("", "s")
-    def GetStatus(self) -> str:
-        """The whole instance as JSON (documented in the README: `status --json`)."""
-        return self.snapshot
+    def GetStatus(self, dbus_context: Any = None) -> str:
+        """The whole instance as JSON (documented in the README: `status --json`). The processes'
+        last error lines (their own output) only for root and the control group."""
+        return self.snapshot if self._privileged(dbus_context)[0] else self.public_snapshot
 
     @export("s", "s")
-    def GetProcess(self, name: str) -> str:
-        for proc in json.loads(self.snapshot).get("processes", []):
+    def GetProcess(self, name: str, dbus_context: Any = None) -> str:
+        for proc in json.loads(self.GetStatus(dbus_context)).get("processes", []):
             if proc["name"] == name:
                 return json.dumps(proc)
-        raise UnknownProcess(f"instance {self._instance} has no process {name!r}")
+        raise UnknownProcess(f"instance {self._instance} has no process {bounded(name)}")
 
     @export("s", "s")
-    def GetHistory(self, name: str) -> str:
-        return json.dumps(json.loads(self.GetProcess(name)).get("history", []))
+    def GetHistory(self, name: str, dbus_context: Any = None) -> str:
+        return json.dumps(json.loads(self.GetProcess(name, dbus_context)).get("history", []))
 
     @export("", "s")
     def Ping(self) -> str:
@@ -113,21 +137,21 @@ class InstanceObject:
     @export("", "s", control=True)
     def Stop(self, dbus_context: Any = None) -> str:
         self._authorize(dbus_context, "Stop")
-        self._schedule(self._controls.stop)
+        self._schedule("Stop", self._controls.stop)
         return f"stopping {self._instance}"
 
     @export("", "s", control=True)
     def Restart(self, dbus_context: Any = None) -> str:
         self._authorize(dbus_context, "Restart")
-        self._schedule(self._controls.restart)
+        self._schedule("Restart", self._controls.restart)
         return f"restarting {self._instance}"
 
     @export("s", "s", control=True)
     def RestartProcess(self, name: str, dbus_context: Any = None) -> str:
         self._authorize(dbus_context, "RestartProcess")
         if name not in self._controls.process_names():
-            raise UnknownProcess(f"instance {self._instance} has no process {name!r}")
-        self._schedule(lambda: self._controls.restart_process(name))
+            raise UnknownProcess(f"instance {self._instance} has no process {bounded(name)}")
+        self._schedule("RestartProcess", lambda: self._controls.restart_process(name))
         return f"restarting {self._instance}/{name}"
 
     # ---------------------------------------------------------------- properties
@@ -174,8 +198,11 @@ class BusService:
         return int(self.bus.dbus.GetConnectionUnixUser(sender))
 
     def publish(self, snapshot: dict[str, Any], status_text: str) -> None:
-        """Called on the engine's loop: swap in the new snapshot (an atomic reference swap)."""
+        """Called on the engine's loop: swap in the new snapshots (atomic reference swaps)."""
         self.obj.snapshot = json.dumps(snapshot)
+        public = dict(snapshot, processes=[{k: v for k, v in p.items() if k != "last_error"}
+                                           for p in snapshot.get("processes", [])])
+        self.obj.public_snapshot = json.dumps(public)
         self.obj.status_text = status_text
         self.obj.state = snapshot.get("state", "")
 

@@ -59,6 +59,9 @@ class SimulatedGpus:
     ) -> "SimulatedGpus":
         sim = cls(directory)
         (sim.directory / "holders").mkdir(parents=True, exist_ok=True)
+        # stand-ins run as the profiles' users: like /tmp, anyone adds, nobody replaces another's
+        os.chmod(sim.directory, 0o755)
+        os.chmod(sim.directory / "holders", 0o1777)
         gpus = [
             {
                 "index": i,

@@ -139,6 +139,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_rehearse(args: argparse.Namespace) -> int:
     import asyncio
     import dataclasses
+    import os
     import tempfile
     import time
     from pathlib import Path
@@ -151,6 +152,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
 
     cfg = effective_config(load_daemon_config(args.config_dir), True)
     runtime = tempfile.mkdtemp(prefix="supervisord-gpu-rehearsal-")
+    os.chmod(runtime, 0o755)  # root's, like /run/supervisord-gpu: the stand-ins' user reaches its TMPDIR there
     rehearsal = cfg.rehearsal
     if args.startup is not None:
         rehearsal = dataclasses.replace(rehearsal, server_startup_s=max(0.0, args.startup))

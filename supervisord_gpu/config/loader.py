@@ -39,6 +39,7 @@ CONFIG_DIR_ENV = "SUPERVISORD_GPU_CONFIG_DIR"
 DAEMON_FILE = "supervisord-gpu.toml"
 MAX_GPU_INDEX = 1023
 MAX_PROCESSES = 256
+PACKAGE_USER = "sglang"  # the unprivileged system user the package creates (postinst)
 ROUTER = "router"
 
 #: readiness: SGLang's deep /health (>= 1 s, SGLang itself gives up at 20 s); liveness: its cheap /ready.
@@ -323,6 +324,10 @@ def _common(t: Table, defaults: dict[str, Any], start_default: float, stop_defau
     start_timeout = t.number("start_timeout", defaults["start_timeout"] or start_default, lo=0.1, hi=86400)
     stop_timeout = t.number("stop_timeout", defaults["stop_timeout"] or stop_default, lo=0.1, hi=86400)
     user = t.str("user", defaults["user"])
+    if user is None:
+        raise t.error("user", "is not set, so it would run as the daemon's user (root); set user = "
+                              f"\"{PACKAGE_USER}\" (the package's unprivileged user), [defaults] user, or "
+                              "user = \"root\" to run it as root on purpose")
     return {
         "host": host,
         "after": after,

@@ -23,8 +23,11 @@ STANDIN_SERVER = ("-m", "supervisord_gpu.rehearsal.standin_server")
 STANDIN_ROUTER = ("-m", "supervisord_gpu.rehearsal.standin_router")
 REAL_ROUTER = ("-m", "sglang_router.launch_router")
 
-# Variables of ours that must not leak into children (they would talk to our unit).
-_PRIVATE_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
+# What a child takes from the daemon's environment; everything else it gets is set here, by
+# name: its user's HOME/USER/LOGNAME, TMPDIR, the compile-cache variables, CUDA_VISIBLE_DEVICES
+# and CUDA_DEVICE_ORDER, then the profile's env. Never root's HOME, nor what would talk to our
+# unit (NOTIFY_SOCKET, WATCHDOG_*, LISTEN_*, INVOCATION_ID).
+PASSED_ENV = ("PATH", "LD_LIBRARY_PATH", "LANG", "LANGUAGE", "TZ")
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class Launch:
     cache_root: Path | None = None
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
-        env = {k: v for k, v in base.items() if k not in _PRIVATE_ENV}
+        env = {k: v for k, v in base.items() if k in PASSED_ENV or k.startswith("LC_")}
         env.update(self.env)
         return env
 
@@ -110,13 +113,8 @@ def router_program(cfg: DaemonConfig) -> tuple[str, ...]:
 
 def user_environment(profile: Profile, spec: ProcessSpec) -> tuple[str, list[tuple[str, str]]]:
     """(account name, HOME/USER/LOGNAME) of the user a process runs as; an unknown user is a config error."""
-    if spec.user is None:
-        try:
-            return pwd.getpwuid(os.geteuid()).pw_name, []
-        except KeyError:
-            return str(os.geteuid()), []
     try:
-        pw = pwd.getpwnam(spec.user)
+        pw = pwd.getpwnam(spec.user) if spec.user is not None else pwd.getpwuid(os.geteuid())
     except KeyError:
         raise ConfigError(profile.path, f"{spec.key}.user", f"no such user {spec.user!r} on this machine") from None
     return pw.pw_name, [("HOME", pw.pw_dir), ("USER", pw.pw_name), ("LOGNAME", pw.pw_name)]

@@ -290,7 +290,7 @@ class Instance:
                 self._set_state(State.DEGRADED, f"{proc.name} restarting ({attempt}/{policy.max_restarts})")
                 proc._set_state(State.RESTARTING, f"{proc.last_exit}; restart {attempt} in {delay:g} s")
                 self.sink.event(
-                    f"{proc.name}: {proc.last_exit}; restart {attempt}/{policy.max_restarts} in {delay:g} s",
+                    f"{proc.name}: {proc.exit_report}; restart {attempt}/{policy.max_restarts} in {delay:g} s",
                     4,
                     GPUSUP_PROCESS=proc.name,
                     GPUSUP_EVENT="restart",

@@ -61,6 +61,8 @@ class ProcessStatus:
     history: list[dict[str, object]] = field(default_factory=list)
     #: the progress bar it is drawing now ("Capturing batches (bs=64): 30%|...|"), "" when none
     progress: str = ""
+    #: the last error line it printed: the child's words, for privileged readers only (see the bus)
+    last_error: str = ""
 
 
 class ManagedProcess:
@@ -157,6 +159,7 @@ class ManagedProcess:
             ready_since=self.ready_since,
             history=[{"at": h.at, "state": h.state, "detail": h.detail} for h in self.history],
             progress=self.progress_text,
+            last_error=self.last_error,
         )
 
     # ------------------------------------------------------------------ start
@@ -268,12 +271,12 @@ class ManagedProcess:
         holder = ""
         if code > 0 and self.markers_seen & set(exits.BIND_FAILED_MARKERS):
             holder = await asyncio.to_thread(self._port_holders)
-        self.last_exit = exits.describe_exit(code, self.last_error, tuple(self.markers_seen), self.signals_sent, holder)
+        self.last_exit = exits.describe_exit(code, tuple(self.markers_seen), self.signals_sent, holder)
         self._exited.set()
         self._wake.set()
         if not self._stopping:
             self.sink.event(
-                f"{self.name}: exited unexpectedly ({self.last_exit})",
+                f"{self.name}: exited unexpectedly ({self.exit_report})",
                 3,
                 GPUSUP_PROCESS=self.name,
                 GPUSUP_EVENT="exit",
@@ -393,9 +396,17 @@ class ManagedProcess:
                 self.spawned.group.kill_all()
                 return
 
+    @property
+    def exit_report(self) -> str:
+        """How it ended, with its own last error line: for the journal, never for STATUS=."""
+        return exits.with_error(self.last_exit, self.last_error)
+
     def _failure(self, why: str) -> str:
+        """A start failure: the first line in our words (it becomes the instance's reason, shown to
+        everyone); its last error and last lines below it, for the journal."""
         tail = "\n".join(f"    {line}" for line in list(self.tail)[-10:])
-        return f"{self.name}: {why}" + (f"\n  last lines:\n{tail}" if tail else "")
+        return (f"{self.name}: {why}" + (f"\n  last error: {self.last_error}" if self.last_error else "")
+                + (f"\n  last lines:\n{tail}" if tail else ""))
 
     # ------------------------------------------------------------------ stop
 
@@ -457,7 +468,7 @@ class ManagedProcess:
         self._set_phase("")
         self._set_state(State.STOPPED)
         self.sink.event(
-            f"{self.name}: stopped in {took:.3f} s ({self.last_exit}"
+            f"{self.name}: stopped in {took:.3f} s ({self.exit_report}"
             + (f"; killed {len(leftovers)} leftover process(es) in its group" if leftovers else "")
             + ")",
             6,

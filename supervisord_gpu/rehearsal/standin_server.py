@@ -536,7 +536,10 @@ def _child_body(rfd: int, ack_w: int, name: str, rank: int, shm: list[str], quie
             pass
     held = _hold_real_gpu_memory(rank) if hold_gpu else None  # noqa: F841  (kept until death)
     if ack_w >= 0:
-        os.write(ack_w, b"1")  # "weights loaded": the main process may go on
+        try:
+            os.write(ack_w, b"1")  # "weights loaded": the main process may go on
+        except OSError:
+            pass  # it did not wait for us (no torch mode) and closed its end: EPIPE is no reason to die
         os.close(ack_w)
     while True:
         try:
