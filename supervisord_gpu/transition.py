@@ -153,7 +153,11 @@ class TransitionLock:
     async def acquire(self, wait_s: float = LOCK_WAIT_S) -> None:
         # In a root-owned 0755 directory, never through a planted symlink (config/trust.py).
         secure_directory(self.runtime)
-        fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise PreconditionError(f"refusing to start: cannot open the transition lock {self.path} ({e.strerror}): "
+                                    "it must be a regular file of root's, not a link") from None
         deadline = time.monotonic() + wait_s
         while True:
             try:

@@ -165,3 +165,31 @@ def test_the_policy_file_opens_exactly_the_read_methods():
         if control:
             assert f'send_member="{name}"' not in policy
     assert set(names.READ_METHODS) == reads
+
+
+def test_a_second_control_call_while_one_runs_is_refused_as_busy(daemon):
+    assert daemon.obj.RestartProcess("decode") == "restarting pd/decode"
+    with pytest.raises(Exception, match="org.supervisordgpu.Error.Busy"):
+        daemon.obj.RestartProcess("prefill")
+    deadline = time.monotonic() + 60
+    while json.loads(daemon.obj.GetStatus())["state"] != "ready" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert json.loads(daemon.obj.GetStatus())["state"] == "ready"
+    assert daemon.obj.RestartProcess("prefill") == "restarting pd/prefill"  # free again once it is done
+
+
+def test_what_a_caller_sent_is_echoed_back_bounded(daemon):
+    with pytest.raises(Exception) as info:
+        daemon.obj.GetProcess("x" * 100_000)
+    assert "UnknownProcess" in str(info.value) and len(str(info.value)) < 400
+
+
+def test_only_root_and_the_control_group_read_a_childs_own_error_lines(daemon, bus):
+    # the real router logs its 503 /readiness answers at ERROR while its workers come up
+    deadline = time.monotonic() + 10
+    while not json.loads(daemon.obj.GetProcess("router")).get("last_error") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert json.loads(daemon.obj.GetProcess("router"))["last_error"], "nothing to hide: the test would prove nothing"
+    public = json.loads(as_nobody(bus.address, "GetStatus").stdout)
+    assert all("last_error" not in p for p in public["processes"]), public
+    assert "last_error" not in json.loads(as_nobody(bus.address, "GetProcess", "router").stdout)

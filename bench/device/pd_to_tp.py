@@ -72,9 +72,13 @@ router_command = {json.dumps(router)}
 backend = "nvml"
 wait_idle_timeout = 60
 """)
-    env = f'SUPERVISORD_GPU_STANDIN_TORCH_MIB = "{MIB}"\nSUPERVISORD_GPU_STANDIN_STARTUP_S = "2"\n'
+    # children get only the environment a profile gives them: the stand-in's module path, and the
+    # device machine's rule that NVLink multicast stays off
+    common = (f'PYTHONPATH = "{REPO}"\nNCCL_NVLS_ENABLE = "0"\nTORCH_SYMM_MEM_DISABLE_MULTICAST = "1"\n'
+              'NVSHMEM_DISABLE_NVLS = "1"\n')
+    env = f'SUPERVISORD_GPU_STANDIN_TORCH_MIB = "{MIB}"\nSUPERVISORD_GPU_STANDIN_STARTUP_S = "2"\n' + common
     # decode holds less than prefill, so the NVML trace shows which physical GPU each one landed on
-    decode_env = f'SUPERVISORD_GPU_STANDIN_TORCH_MIB = "{MIB * 6 // 10}"\nSUPERVISORD_GPU_STANDIN_STARTUP_S = "2"\n'
+    decode_env = f'SUPERVISORD_GPU_STANDIN_TORCH_MIB = "{MIB * 6 // 10}"\nSUPERVISORD_GPU_STANDIN_STARTUP_S = "2"\n' + common
     prefill = list(range(half)) if half else [0]
     decode = list(range(half, n)) if half else [0]
     (cdir / "profiles" / "pd.toml").write_text(f"""
@@ -104,6 +108,8 @@ port = 30001
 [router.options]
 prometheus-host = "127.0.0.1"
 prometheus-port = 30091
+[router.env]
+PYTHONPATH = "{REPO}"
 """)
     (cdir / "profiles" / "tp.toml").write_text(f"""
 [servers.server]

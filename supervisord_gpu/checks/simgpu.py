@@ -192,4 +192,5 @@ def _read_small(path: str, regular_only: bool = False) -> bytes:
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
+    os.chmod(tmp, 0o644)  # readable by every gpusupctl, whatever the writer's umask (the unit's is 0027)
     os.replace(tmp, path)

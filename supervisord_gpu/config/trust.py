@@ -19,7 +19,7 @@ import os
 import stat
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PreconditionError
 
 WRITE_BITS = stat.S_IWGRP | stat.S_IWOTH
 
@@ -77,11 +77,16 @@ def secure_directory(path: Path, mode: int = 0o755) -> Path:
         pass
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise OSError(errno.ENOTDIR, f"{path} is not a directory (a symlink or a file is in its place)")
+        raise UntrustedPath(f"refusing to use {path}: it is not a directory (a symlink or a file is in its place)")
     if not _trusted_owner(st.st_uid) or st.st_mode & WRITE_BITS:
-        raise OSError(errno.EPERM, f"{path} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}; "
-                                   f"it must belong to root and be writable only by it (chown root {path}; chmod 0755 {path})")
+        raise UntrustedPath(f"refusing to use {path}: it is owned by uid {st.st_uid} with mode "
+                            f"{stat.S_IMODE(st.st_mode):04o}; it must belong to root and be writable only by it "
+                            f"(chown root {path}; chmod 0755 {path})")
     return path
+
+
+class UntrustedPath(PreconditionError, OSError):
+    """A path the daemon would write or believe is not root's alone: nothing is touched (exit 3)."""
 
 
 def open_nofollow(path: Path, flags: int, mode: int = 0o644) -> int:
