@@ -70,3 +70,14 @@ def kill_holders(sim) -> int:  # type: ignore[no-untyped-def]
     while sim.holders() and time.monotonic() < deadline:
         time.sleep(0.02)
     return len(holders)
+
+
+def covered(spans: list[tuple[float, float]]) -> float:
+    """Seconds during which at least one of the (start, end) spans was open: processes of one
+    stop wave die side by side, and summing their dying times would count that time N times."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total

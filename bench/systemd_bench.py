@@ -19,18 +19,6 @@ RUNS = 5
 CTL = f"{B.REPO}/.venv/bin/gpusupctl"
 
 
-def install(ctr: SystemdContainer, startup: float = 1.0) -> None:
-    ctr.write_file("/etc/systemd/system/dsv4@.service", B.unit_text())
-    ctr.write_file("/etc/supervisord-gpu/supervisord-gpu.toml", B.CONFIG.format(startup=startup, stall=120))
-    for p in (B.REPO / "etc" / "supervisord-gpu" / "profiles").glob("*.toml"):
-        ctr.write_file(f"/etc/supervisord-gpu/profiles/{p.name}", p.read_text())
-    ctr.write_file("/etc/dbus-1/system.d/org.supervisordgpu.conf",
-                   (B.REPO / "etc" / "dbus-1" / "system.d" / "org.supervisordgpu.conf").read_text())
-    ctr.run(["groupadd", "-f", "--system", "gpusup"])
-    ctr.systemctl("reload", "dbus")
-    ctr.daemon_reload()
-
-
 def journal_json(ctr: SystemdContainer, unit: str, *match: str) -> list[dict]:
     out = ctr.journal(unit, *match, "-o", "json")
     return [json.loads(l) for l in out.splitlines() if l.strip()]
@@ -101,7 +89,7 @@ prometheus-port = {base + 3}
 
 def main() -> dict[str, object]:
     with SystemdContainer(binds=repo_binds()) as ctr:
-        install(ctr)
+        B.install(ctr)
         ours, manual, detect = transition_overhead(ctr)
         st_ours, st_systemctl = status_latency(ctr)
     result = {

@@ -28,28 +28,29 @@ def unit_text(drop: str = "") -> str:
     return text.replace("ExecStart=/usr/bin/supervisord-gpu run %i", f"ExecStart={DAEMON} run %i") + drop
 
 
+def install(ctr, startup: float = 1.0, stall: float = 120.0, unit_extra: str = "") -> None:  # type: ignore[no-untyped-def]
+    """Our unit, D-Bus policy, config, shipped profiles and the package's users, as the .deb would."""
+    ctr.write_file("/etc/systemd/system/dsv4@.service", unit_text())
+    if unit_extra:
+        ctr.write_file("/etc/systemd/system/dsv4@.service.d/test.conf", "[Service]\n" + unit_extra)
+    ctr.write_file("/etc/supervisord-gpu/supervisord-gpu.toml", CONFIG.format(startup=startup, stall=stall))
+    for p in (REPO / "etc" / "supervisord-gpu" / "profiles").glob("*.toml"):
+        ctr.write_file(f"/etc/supervisord-gpu/profiles/{p.name}", p.read_text())
+    ctr.write_file("/etc/dbus-1/system.d/org.supervisordgpu.conf",
+                   (REPO / "etc" / "dbus-1" / "system.d" / "org.supervisordgpu.conf").read_text())
+    ctr.run(["groupadd", "-f", "--system", "gpusup"])
+    if ctr.run(["getent", "passwd", "sglang"], check=False).returncode != 0:  # what the .deb's postinst creates
+        ctr.run(["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent",
+                 "--shell", "/usr/sbin/nologin", "sglang"])
+    ctr.systemctl("reload", "dbus")
+    ctr.daemon_reload()
+
+
 @pytest.fixture
 def box(fresh_systemd_container):  # type: ignore[no-untyped-def]
     """A clean systemd with our unit, policy, config and the shipped profiles installed."""
     ctr = fresh_systemd_container()
-
-    def install(startup: float = 1.0, stall: float = 120.0, unit_extra: str = "") -> None:
-        ctr.write_file("/etc/systemd/system/dsv4@.service", unit_text())
-        if unit_extra:
-            ctr.write_file("/etc/systemd/system/dsv4@.service.d/test.conf", "[Service]\n" + unit_extra)
-        ctr.write_file("/etc/supervisord-gpu/supervisord-gpu.toml", CONFIG.format(startup=startup, stall=stall))
-        for p in (REPO / "etc" / "supervisord-gpu" / "profiles").glob("*.toml"):
-            ctr.write_file(f"/etc/supervisord-gpu/profiles/{p.name}", p.read_text())
-        ctr.write_file("/etc/dbus-1/system.d/org.supervisordgpu.conf",
-                       (REPO / "etc" / "dbus-1" / "system.d" / "org.supervisordgpu.conf").read_text())
-        ctr.run(["groupadd", "-f", "--system", "gpusup"])
-        if ctr.run(["getent", "passwd", "sglang"], check=False).returncode != 0:  # what the .deb's postinst creates
-            ctr.run(["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent",
-                     "--shell", "/usr/sbin/nologin", "sglang"])
-        ctr.systemctl("reload", "dbus")
-        ctr.daemon_reload()
-
-    ctr.install = install  # type: ignore[attr-defined]
+    ctr.install = lambda **kw: install(ctr, **kw)  # type: ignore[attr-defined]
     return ctr
 
 

@@ -76,3 +76,39 @@ def test_logs_shows_one_process(three):
     assert "Load weight begin" in out
     for line in out.splitlines():  # the server's own lines, and the daemon's records about the server
         assert " server[" in line or ("supervisord-gpu[" in line and ": server: " in line), line
+
+
+# --------------------------------------------------------------------------- polkit
+
+
+@pytest.fixture
+def polkit_box(fresh_systemd_container):  # type: ignore[no-untyped-def]
+    """The box with Debian 12's polkitd running and the package's rule installed."""
+    from box import install
+
+    ctr = fresh_systemd_container(extra_packages=("polkitd",))
+    install(ctr, startup=0.5)
+    ctr.write_file("/usr/share/polkit-1/rules.d/50-supervisord-gpu.rules",
+                   (REPO / "etc" / "polkit-1" / "rules.d" / "50-supervisord-gpu.rules").read_text())
+    ctr.run(["useradd", "--create-home", "bob"])
+    ctr.run(["usermod", "-aG", "gpusup", "alice"])
+    ctr.systemctl("restart", "polkit")
+    return ctr
+
+
+def test_polkit_lets_gpusup_members_manage_dsv4_units_and_nobody_else(polkit_box):
+    c = polkit_box
+    gpusupctl = f"{REPO}/.venv/bin/gpusupctl"
+    c.run([gpusupctl, "start", "tp4-512k", "--wait"], user="alice", timeout=120)
+    assert c.is_active("dsv4@tp4-512k") == "active"
+    refused = c.run([gpusupctl, "stop", "tp4-512k"], user="bob", check=False)
+    assert refused.returncode != 0 and c.is_active("dsv4@tp4-512k") == "active", refused.stderr
+    # a member may do exactly start/stop/restart of dsv4@ services: not other units, not our scopes
+    for argv in (["systemctl", "stop", "dbus"], ["systemctl", "stop", "dsv4-tp4-512k-server.scope"],
+                 ["systemctl", "disable", "dsv4@tp4-512k"]):
+        r = c.run(argv, user="alice", check=False)
+        assert r.returncode != 0, (argv, r.stdout, r.stderr)
+    assert c.is_active("dbus") == "active" and c.is_active("dsv4-tp4-512k-server.scope") == "active"
+    c.run([gpusupctl, "restart", "tp4-512k", "--wait"], user="alice", timeout=120)
+    c.run([gpusupctl, "stop", "tp4-512k", "--wait"], user="alice", timeout=120)
+    assert c.is_active("dsv4@tp4-512k") == "inactive"

@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from ..ownership.procfs import all_pids, fd_targets
 from .holders import Holder, describe_pid
 
 _LISTEN = "0A"
@@ -180,21 +181,7 @@ def listener_ownership(host: str, port: int, our_pids: Iterable[int]) -> Listene
 
 
 def _socket_inodes_of(pids: Iterable[int]) -> set[int]:
-    inodes: set[int] = set()
-    for pid in pids:
-        fd_dir = f"/proc/{pid}/fd"
-        try:
-            fds = os.listdir(fd_dir)
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = os.readlink(f"{fd_dir}/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                inodes.add(int(link[8:-1]))
-    return inodes
+    return {int(link[8:-1]) for pid in pids for link in fd_targets(pid) if link.startswith("socket:[")}
 
 
 def _overlaps_any_family(want: _IPAddress, have: _IPAddress) -> bool:
@@ -290,19 +277,9 @@ def _pids_of_inodes(inodes: set[int]) -> dict[int, set[int]]:
     if not inodes:
         return found
     targets = {f"socket:[{i}]": i for i in inodes}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        fd_dir = f"/proc/{name}/fd"
-        try:
-            fds = os.listdir(fd_dir)
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                inode = targets.get(os.readlink(f"{fd_dir}/{fd}"))
-            except OSError:
-                continue
+    for pid in all_pids():
+        for link in fd_targets(pid):
+            inode = targets.get(link)
             if inode is not None:
-                found.setdefault(inode, set()).add(int(name))
+                found.setdefault(inode, set()).add(pid)
     return found

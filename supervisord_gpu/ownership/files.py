@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from .procfs import all_pids, fd_targets
+
 SHM_DIR = "/dev/shm/"
 
 
@@ -124,21 +126,10 @@ def _shm_files_of(pids: Iterable[int]) -> set[str]:
                         found.add(line[i:].rstrip("\n"))
         except OSError:
             pass
-        fd_dir = f"/proc/{pid}/fd"
-        try:
-            fds = os.listdir(fd_dir)
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = os.readlink(f"{fd_dir}/{fd}")
-            except OSError:
-                continue
-            if link.startswith(SHM_DIR) and not link.endswith(" (deleted)"):
-                found.add(link)
+        found.update(link for link in fd_targets(pid) if link.startswith(SHM_DIR) and not link.endswith(" (deleted)"))
     return found
 
 
 def _shm_files_held_by_anyone() -> set[str]:
     """Every /dev/shm file some live process maps or holds open (one walk over /proc)."""
-    return _shm_files_of(int(name) for name in os.listdir("/proc") if name.isdigit())
+    return _shm_files_of(all_pids())
