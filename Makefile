@@ -9,7 +9,7 @@ APT_PKGS = python3-venv python3-gi dbus libglib2.0-bin
 TEST_APT_PKGS = systemd-container debootstrap dbus prometheus
 STAMP   = $(VENV)/.installed
 
-.PHONY: rehearse test setup test-setup bench deb clean
+.PHONY: rehearse test setup test-setup lint bench deb clean
 
 $(STAMP): pyproject.toml
 	@if [ "$$(id -u)" = 0 ] && ! dpkg -s $(APT_PKGS) >/dev/null 2>&1; then \
@@ -32,8 +32,13 @@ rehearse: $(STAMP)
 	    useradd --system --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin $(SERVER_USER); fi
 	$(VENV)/bin/gpusupctl rehearse $(PROFILE) --config-dir etc/supervisord-gpu
 
-test: test-setup
+test: test-setup lint
 	$(VENV)/bin/python -m pytest -q -rs
+
+# A linter and a type checker over the product code; any finding fails `make test`.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check supervisord_gpu
+	$(VENV)/bin/mypy
 
 bench: test-setup
 	$(VENV)/bin/python bench/run.py

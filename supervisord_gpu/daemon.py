@@ -7,13 +7,9 @@ both come here; rehearsal only swaps SGLang for stand-ins and NVML for simulated
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import os
 import signal
-import sys
-import time
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 from .config.loader import effective_config, load_daemon_config, load_profile  # noqa: F401
 from .config.model import DaemonConfig, Profile

@@ -7,6 +7,8 @@ edge never has to guess it.
 
 from __future__ import annotations
 
+import os
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -26,7 +28,7 @@ class ConfigError(SupervisorError):
 
     exit_code = EXIT_USAGE
 
-    def __init__(self, path: str, key: str, problem: str) -> None:
+    def __init__(self, path: str | os.PathLike[str], key: str, problem: str) -> None:
         self.path = str(path)
         self.key = key
         self.problem = problem

@@ -23,7 +23,8 @@ import socket
 import threading
 import time
 from socketserver import ThreadingMixIn
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from . import __version__
@@ -77,7 +78,7 @@ class MetricsExporter:
     and `stop()` at the end. `on_event`, `watch_loop` and `stop` belong on the instance's loop.
     """
 
-    def __init__(self, cfg: MetricsConfig, instance: "Instance", inventory: "GpuInventory | None" = None) -> None:
+    def __init__(self, cfg: MetricsConfig, instance: Instance, inventory: GpuInventory | None = None) -> None:
         try:
             from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
         except ImportError:
@@ -197,7 +198,7 @@ class MetricsExporter:
         if inst.state in (State.STOPPED, State.FAILED) and self._fresh(("instance", "stop"), inst.last_stop_s):
             self.instance_stop.labels(self.profile).observe(inst.last_stop_s)  # type: ignore[arg-type]
 
-    def _process_changed(self, proc: "ManagedProcess") -> None:
+    def _process_changed(self, proc: ManagedProcess) -> None:
         labels = (self.profile, proc.name, proc.spec.role)
         _one_hot(self.process_state, labels, PROCESS_STATES, proc.state.value)
         self.process_ready.labels(*labels).set(1 if proc.state == State.READY else 0)
@@ -289,7 +290,7 @@ class MetricsExporter:
         host, port = self.cfg.host, self.cfg.port
         family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         server_class = type("MetricsServer", (_ThreadingWSGIServer,), {"address_family": family})
-        server = make_server(host, port, make_wsgi_app(self.registry), server_class, _QuietHandler)
+        server: Any = make_server(host, port, make_wsgi_app(self.registry), server_class, _QuietHandler)
         with self._lock:
             if self._closing.is_set():
                 server.server_close()
@@ -371,7 +372,7 @@ def _one_hot(gauge: Any, labels: tuple[str, ...], states: Sequence[str], current
 class _GpuCollector:
     """GPU memory and idleness, read from the inventory at scrape time (on the HTTP thread)."""
 
-    def __init__(self, inventory: "GpuInventory") -> None:
+    def __init__(self, inventory: GpuInventory) -> None:
         self.inventory = inventory
 
     def collect(self) -> Iterator[Any]:

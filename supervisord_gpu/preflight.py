@@ -9,7 +9,7 @@ the profile allows) by transition.py, then the GPUs and ports are verified clear
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 from .checks.gpus import GpuInventory, open_inventory
 from .checks.preconditions import PreconditionReport, Requirement, check, wait_until_clear

@@ -64,7 +64,7 @@ def register(runtime: Path, profile: Profile, driver: str) -> Path:
     d = _secure_dir(runtime)
     me = psutil.Process()
     rec = Record(profile.name, me.pid, me.create_time(), str(profile.path), sorted(profile.gpus),
-                 sorted({l.port for l in profile.listens()}), driver, os.geteuid(), read_cgroup(me.pid) or "")
+                 sorted({listen.port for listen in profile.listens()}), driver, os.geteuid(), read_cgroup(me.pid) or "")
     path = d / f"{profile.name}.json"
     tmp = d / f".{profile.name}.{os.getpid()}.tmp"
     try:

@@ -17,7 +17,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from .config.loader import load_profile
 from .config.model import DaemonConfig, Profile
@@ -90,20 +90,20 @@ def find_conflicts(profile: Profile, cfg: DaemonConfig, use_systemd: bool | None
     for rec in registry.running(cfg.runtime_dir):
         candidates.setdefault(rec.instance, f"pid {rec.pid}")
     wanted_gpus = set(profile.gpus)
-    wanted_ports = {l.port for l in profile.listens()}
+    wanted_ports = {listen.port for listen in profile.listens()}
     out = []
     for name, via in sorted(candidates.items()):
         if name == profile.name:
             continue
         try:
             other = load_profile(cfg, name)
-            gpus, ports = set(other.gpus), {l.port for l in other.listens()}
+            gpus, ports = set(other.gpus), {listen.port for listen in other.listens()}
             deadline = sum(p.stop_timeout_s for p in other.processes) + 10
         except ConfigError:
-            rec = next((r for r in registry.running(cfg.runtime_dir) if r.instance == name), None)
-            if rec is None:
+            found = next((r for r in registry.running(cfg.runtime_dir) if r.instance == name), None)
+            if found is None:
                 continue
-            gpus, ports, deadline = set(rec.gpus), set(rec.ports), 600.0
+            gpus, ports, deadline = set(found.gpus), set(found.ports), 600.0
         overlap_g, overlap_p = sorted(gpus & wanted_gpus), sorted(ports & wanted_ports)
         if overlap_g or overlap_p:
             out.append(Conflict(name, overlap_g, overlap_p, deadline, via))
@@ -126,7 +126,7 @@ def make_plan(profile: Profile, cfg: DaemonConfig, conflicts: list[Conflict], fl
         plan.steps.append(Step(f"stop dsv4@{c.instance} ({'systemd' if c.via == 'systemd' else c.via}): {order}, "
                                "each wave verified gone (cgroup empty) before the next", c.stop_deadline_s,
                                f"dsv4@{c.instance} inactive"))
-    listens = ", ".join(f"{l.host}:{l.port}" for l in profile.listens())
+    listens = ", ".join(f"{listen.host}:{listen.port}" for listen in profile.listens())
     plan.steps.append(Step(f"wait until GPUs {','.join(map(str, sorted(profile.gpus)))} are idle and {listens} free",
                            cfg.gpus.wait_idle_timeout_s, "NVML (or simulated) memory at baseline, no compute processes; bind test"))
     for spec in profile.processes:
@@ -167,7 +167,8 @@ class TransitionLock:
                 if time.monotonic() > deadline:
                     holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another instance"
                     os.close(fd)
-                    raise PreconditionError(f"refusing to start: a transition by {holder} is in progress (waited {wait_s:g} s)")
+                    raise PreconditionError(
+                        f"refusing to start: a transition by {holder} is in progress (waited {wait_s:g} s)") from None
                 await asyncio.sleep(0.1)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{self.owner} (pid {os.getpid()})".encode(), 0)
@@ -235,7 +236,7 @@ async def _wait_pid_exit(pid: int, timeout: float) -> None:
     loop.add_reader(fd, gone.set)
     try:
         await asyncio.wait_for(gone.wait(), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise PreconditionError(f"refusing to start: daemon pid {pid} did not exit within {timeout:g} s") from None
     finally:
         loop.remove_reader(fd)

@@ -112,3 +112,32 @@ def test_polkit_lets_gpusup_members_manage_dsv4_units_and_nobody_else(polkit_box
     c.run([gpusupctl, "restart", "tp4-512k", "--wait"], user="alice", timeout=120)
     c.run([gpusupctl, "stop", "tp4-512k", "--wait"], user="alice", timeout=120)
     assert c.is_active("dsv4@tp4-512k") == "inactive"
+
+
+FORGE = """
+from gi.repository import Gio, GLib
+bus = Gio.bus_get_sync(Gio.BusType.SYSTEM, None)
+bus.emit_signal(None, "/org/freedesktop/systemd1/unit/dsv4_40tp4_2d512k_2eservice", "org.freedesktop.DBus.Properties",
+                "PropertiesChanged", GLib.Variant("(sa{sv}as)", ("org.freedesktop.systemd1.Unit",
+                {"ActiveState": GLib.Variant("s", "active")}, [])))
+bus.flush_sync(None)
+"""
+
+
+def test_start_wait_believes_systemd_itself_not_a_signal_any_user_can_forge(box):
+    box.install(startup=8.0)
+    box.run(["systemd-run", "--unit=waiter", "--collect", "--property=RemainAfterExit=yes",
+             f"{REPO}/.venv/bin/gpusupctl", "start", "tp4-512k", "--wait"])
+    from support import wait_for
+
+    wait_for(lambda: box.is_active("dsv4@tp4-512k") == "activating", 20, "the start to be under way")
+    box.run(["python3", "-c", FORGE], user="alice")  # "your unit is active", from a local user
+    import time
+
+    time.sleep(1.5)
+    assert box.is_active("dsv4@tp4-512k") == "activating"
+    assert box.systemctl("show", "-P", "SubState", "waiter").stdout.strip() == "running", "--wait believed the forgery"
+    wait_for(lambda: box.systemctl("show", "-P", "SubState", "waiter").stdout.strip() == "exited", 60, "the real ready")
+    assert box.systemctl("show", "-P", "ExecMainStatus", "waiter").stdout.strip() == "0"
+    assert box.is_active("dsv4@tp4-512k") == "active"
+    box.systemctl("stop", "dsv4@tp4-512k", timeout=120)

@@ -41,6 +41,7 @@ INSTALLED = (
     "/usr/share/man/man1/gpusupctl.1.gz",
     "/usr/share/man/man8/supervisord-gpu.8.gz",
     "/usr/share/bash-completion/completions/gpusupctl",
+    "/usr/share/polkit-1/rules.d/50-supervisord-gpu.rules",
     "/usr/lib/python3/dist-packages/supervisord_gpu/data/sglang-0.5.23-flags.txt",
 )
 APT_ENV = {"DEBIAN_FRONTEND": "noninteractive"}
@@ -135,6 +136,8 @@ def test_installs_keeps_edited_conffile_on_reinstall_and_purges_clean(container,
     assert c.systemctl("is-enabled", "dsv4@tp4-512k.service", check=False).stdout.strip() == "disabled"
     gid = int(c.run(["getent", "group", "gpusup"]).stdout.split(":")[2])
     assert gid < 1000, "gpusup should be a system group"
+    _name, _pw, uid, _gid, _gecos, home, shell = c.run(["getent", "passwd", "sglang"]).stdout.strip().split(":")
+    assert int(uid) < 1000 and shell == "/usr/sbin/nologin", "the shipped profiles' user: a system user, no shell"
 
     assert "render" in c.run(["gpusupctl", "--help"]).stdout
     rendered = c.run(["gpusupctl", "render", "tp4-512k"]).stdout
@@ -148,11 +151,13 @@ def test_installs_keeps_edited_conffile_on_reinstall_and_purges_clean(container,
     _apt(c, "install", "--reinstall", f"/debs/{deb.name}")
     assert c.read_file(conf).endswith("# edited by test_deb\n"), "reinstall overwrote an edited conffile"
 
-    c.run(["mkdir", "-p", "/run/supervisord-gpu/instances"])  # what a daemon leaves at run time
+    c.run(["mkdir", "-p", "/run/supervisord-gpu/instances", "/var/cache/supervisord-gpu/sglang"])  # what a daemon leaves
     _apt(c, "purge", PACKAGE)
-    leftovers = [p for p in (*INSTALLED, "/etc/supervisord-gpu", "/run/supervisord-gpu") if _exists(c, p)]
+    leftovers = [p for p in (*INSTALLED, "/etc/supervisord-gpu", "/run/supervisord-gpu", "/var/cache/supervisord-gpu")
+                 if _exists(c, p)]
     assert leftovers == []
     assert c.run(["getent", "group", "gpusup"], check=False).returncode == 2, "purge should remove group gpusup"
+    assert c.run(["getent", "passwd", "sglang"], check=False).returncode == 2, "purge should remove user sglang"
     assert c.systemctl("list-unit-files", "--no-legend", "dsv4@*", check=False).stdout.strip() == ""
 
 
@@ -188,6 +193,8 @@ def test_installed_package_runs_an_instance_that_root_and_users_can_see_but_only
                  .replace("server_startup = 3.0", "server_startup = 1.0"))
     c.systemctl("start", "dsv4@tp4-512k", timeout=120)
     assert c.is_active("dsv4@tp4-512k") == "active"
+    sglang = int(c.run(["id", "-u", "sglang"]).stdout)
+    assert {p.uid for p in c.processes() if "/dsv4-" in p.cgroup} == {sglang}  # the server and the router, not root
     for user in (None, "alice"):
         out = c.run(["gpusupctl", "status"], user=user).stdout
         assert "dsv4@tp4-512k.service" in out and "ready: 1 server behind router on 0.0.0.0:30001, GPUs 0-3" in out, out

@@ -20,6 +20,15 @@ from hypothesis import strategies as st
 
 from supervisord_gpu.cli import gpusupctl
 
+# CI runs a seeded subset (the same examples every time); GPUSUP_FUZZ_EXAMPLES=10000 is the run
+# at scale, outside CI (its result is in bench/results/fuzz.json).
+SCALE = int(os.environ.get("GPUSUP_FUZZ_EXAMPLES", "0"))
+SEEDED = not SCALE
+
+
+def examples(ci: int) -> int:
+    return SCALE or ci
+
 GOOD_LINES = """description = "fuzz"
 takeover = true
 [restart]
@@ -100,7 +109,8 @@ def config_dir():  # type: ignore[no-untyped-def]
     return d
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(300), deadline=None, derandomize=SEEDED,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=mutated_profile())
 def test_any_profile_renders_or_is_one_line_exit_2(config_dir, data):
     path = config_dir / "profiles" / "p.toml"
@@ -119,7 +129,8 @@ argv_item = st.one_of(st.sampled_from(["render", "check", "gpus", "--json", "--r
                                        "--help", "-v", "--hold", "--from", "--dry-run"]), odd_text)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(200), deadline=None, derandomize=SEEDED,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(argv=st.lists(argv_item, max_size=5))
 def test_any_command_line_is_an_exit_code_never_a_traceback(config_dir, argv):
     if argv and argv[0] not in ("render", "check", "gpus"):
@@ -130,3 +141,28 @@ def test_any_command_line_is_an_exit_code_never_a_traceback(config_dir, argv):
     code, _out, err = run_cli([*argv, "--config-dir", str(config_dir)])
     assert code in (0, 1, 2, 3, 4)
     assert "Traceback" not in err and "internal error" not in err, err
+
+
+instance_name = st.one_of(odd_text, st.text(alphabet=string.ascii_letters + string.digits + "._-@/\n\t ", max_size=70),
+                          st.sampled_from(["tp4-512k\n", "../etc/passwd", "pd-1p1d.toml", "-x", "a" * 65, ".hidden", ""]))
+
+
+@settings(max_examples=examples(200), deadline=None, derandomize=SEEDED,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(name=instance_name, verb=st.sampled_from(["render", "check", "switch", "status", "start", "stop", "restart"]))
+def test_any_instance_name_is_refused_cleanly_or_names_a_profile(config_dir, name, verb):
+    argv = [verb, name] if verb in ("status", "start", "stop", "restart") else [verb, name, "--config-dir", str(config_dir)]
+    if verb == "switch":
+        argv.append("--dry-run")
+    saved = os.environ.get("DBUS_SYSTEM_BUS_ADDRESS")
+    os.environ["DBUS_SYSTEM_BUS_ADDRESS"] = "unix:path=/nonexistent"  # a name that passes must reach no systemd
+    try:
+        code, _out, err = run_cli(argv)
+    finally:
+        if saved is None:
+            del os.environ["DBUS_SYSTEM_BUS_ADDRESS"]
+        else:
+            os.environ["DBUS_SYSTEM_BUS_ADDRESS"] = saved
+    assert code in (0, 1, 2, 3, 4), (argv, err)
+    assert "Traceback" not in err and "internal error" not in err, err
+    assert len(err.strip().splitlines()) <= 2 or err.startswith("usage:"), err  # one line, or argparse's usage

@@ -8,7 +8,8 @@ reads as a list, and authorization is declared per method where the method is de
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 from xml.sax.saxutils import quoteattr
 
 _ATTR = "_dbus_export"
@@ -53,7 +54,7 @@ def introspection_xml(cls: type, interface: str, signals: dict[str, list[tuple[s
     for name, (insig, outsig, _control) in sorted(exported_methods(cls).items()):
         params = [p for p in inspect.signature(getattr(cls, name)).parameters if p not in ("self", "dbus_context")]
         lines.append(f"    <method name={quoteattr(name)}>")
-        for pname, t in zip(params, _split(insig)):
+        for pname, t in zip(params, _split(insig), strict=False):
             lines.append(f"      <arg name={quoteattr(pname)} type={quoteattr(t)} direction=\"in\"/>")
         for t in _split(outsig):
             lines.append(f"      <arg type={quoteattr(t)} direction=\"out\"/>")

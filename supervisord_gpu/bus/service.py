@@ -15,7 +15,8 @@ import json
 import os
 import pwd
 import threading
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from pydbus.generic import signal as dbus_signal
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from ..errors import EXIT_PRECONDITIONS, SupervisorError, UsageError
 from .simgpu import SimulatedGpus
@@ -106,7 +107,7 @@ class GpuInventory(ABC):
     def snapshot(self, indices: Iterable[int] | None = None) -> list[GpuState]:
         """The state of the given GPUs (default: all), in index order; indices that do not exist are left out."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (a hook: most backends hold nothing to release)
         """Release the backend; the inventory is not used afterwards."""
 
     @property

@@ -34,7 +34,7 @@ class Holder:
     known: bool
 
     @classmethod
-    def unknown(cls, pid: int) -> "Holder":
+    def unknown(cls, pid: int) -> Holder:
         return cls(pid, None, None, None, None, None, False)
 
     @property

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import errno
 import ipaddress
-import os
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from ..ownership.procfs import all_pids, fd_targets
 from .holders import Holder, describe_pid
@@ -79,12 +79,12 @@ def check_ports(specs: Iterable[tuple[str, int, str]]) -> list[PortStatus]:
     """check_port for several ports, reading the socket tables and /proc/*/fd once for all held ones."""
     specs = list(specs)
     tests = [bind_test(host, port) for host, port, _ in specs]
-    held = [(host, port) for (host, port, _), (free, error) in zip(specs, tests) if not free and not error]
+    held = [(host, port) for (host, port, _), (free, error) in zip(specs, tests, strict=True) if not free and not error]
     blocking = _blocking_sockets(held) if held else {}
     pids_by_inode = _pids_of_inodes({i for socks in blocking.values() for i in socks})
     described: dict[int, Holder] = {}
     out = []
-    for (host, port, label), (free, error) in zip(specs, tests):
+    for (host, port, label), (free, error) in zip(specs, tests, strict=True):
         if free or error:
             out.append(PortStatus(host, port, label, free, (), error))
             continue

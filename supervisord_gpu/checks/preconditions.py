@@ -15,7 +15,8 @@ Also here: the renderings the CLI prints (`gpusupctl gpus`, `gpusupctl check --j
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
+from collections.abc import Callable, Iterable
 
 from ..errors import PreconditionError
 from .gpus import GpuInventory, GpuState
@@ -110,7 +111,10 @@ def _probe(req: Requirement, inventory: GpuInventory, attribute: bool) -> Precon
         ports = check_ports(req.ports)
     else:
         holders = {}
-        ports = [PortStatus(host, port, label, *bind_test(host, port)) for host, port, label in req.ports]
+        ports = []
+        for host, port, label in req.ports:
+            free, error = bind_test(host, port)  # (free, error): the error is not a holder
+            ports.append(PortStatus(host, port, label, free, (), error))
     return PreconditionReport(states, ports, holders, missing, count, attribute, inventory.kind)
 
 
@@ -138,7 +142,7 @@ async def wait_until_clear(
         timeout = max(0.0, deadline - loop.time()) + HUNG_READ_GRACE_S
         try:
             return await asyncio.wait_for(asyncio.to_thread(_probe, req, inventory, attribute), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise PreconditionError(
                 f"the {inventory.kind} GPU inventory did not answer within {timeout:.0f} s; "
                 "check the driver (nvidia-smi) and dmesg"

@@ -56,7 +56,7 @@ class SimulatedGpus:
         total_mib: int = H200_TOTAL_MIB,
         reserved_mib: int = H200_RESERVED_MIB,
         name: str = "Simulated NVIDIA H200",
-    ) -> "SimulatedGpus":
+    ) -> SimulatedGpus:
         sim = cls(directory)
         (sim.directory / "holders").mkdir(parents=True, exist_ok=True)
         # stand-ins run as the profiles' users: like /tmp, anyone adds, nobody replaces another's
@@ -103,10 +103,10 @@ class SimulatedGpus:
         for entry in entries:
             if entry.name.startswith("."):
                 continue  # a holding being written (_atomic_write's temporary), not a holding yet
-            holding = _parse_holding(entry.path)
-            if holding is None:
+            parsed = _parse_holding(entry.path)
+            if parsed is None:
                 continue  # not a holding: a FIFO, a directory, garbage (anyone may have written it)
-            holding, create_time = holding
+            holding, create_time = parsed
             if _alive(holding.pid, create_time, boot):
                 found.append(holding)
             else:

@@ -113,9 +113,9 @@ def cmd_render(args: argparse.Namespace) -> int:
     launches = render(profile, cfg, rehearsal_env)
     if args.json:
         out = [
-            {"process": l.spec.name, "role": l.spec.role, "user": l.user, "argv": list(l.argv), "env": dict(l.env),
-             "after": list(l.spec.after)}
-            for l in launches
+            {"process": launch.spec.name, "role": launch.spec.role, "user": launch.user, "argv": list(launch.argv),
+             "env": dict(launch.env), "after": list(launch.spec.after)}
+            for launch in launches
         ]
         print(json.dumps({"profile": profile.name, "start_order": out, "stop_order": list(profile.stop_order),
                           "stop_waves": [list(w) for w in profile.stop_waves]}, indent=2))
@@ -123,12 +123,12 @@ def cmd_render(args: argparse.Namespace) -> int:
     import shlex
 
     print(f"# {profile.name}: {profile.description}" if profile.description else f"# {profile.name}")
-    for i, l in enumerate(launches, 1):
-        after = f" (after {', '.join(l.spec.after)})" if l.spec.after else ""
-        print(f"\n[{i}] {l.spec.name} ({l.spec.role}){after}" + (f" as user {l.user}" if l.user else ""))
-        for k, v in l.env:
+    for i, launch in enumerate(launches, 1):
+        after = f" (after {', '.join(launch.spec.after)})" if launch.spec.after else ""
+        print(f"\n[{i}] {launch.spec.name} ({launch.spec.role}){after}" + (f" as user {launch.user}" if launch.user else ""))
+        for k, v in launch.env:
             print(f"    env {k}={shlex.quote(v)}")
-        print("    argv " + " ".join(shlex.quote(a) for a in l.argv))
+        print("    argv " + " ".join(shlex.quote(a) for a in launch.argv))
     print(f"\nstop order: {profile.describe_stop_order()}  (+ stops together)")
     return 0
 
@@ -214,7 +214,7 @@ def _verify_clear(cfg, profile) -> int:  # type: ignore[no-untyped-def]
 
     report = check(requirement_for(profile), inventory_for(cfg, True))
     if report.ok:
-        print(f"verified after stop: GPUs {sorted(profile.gpus)} idle, ports {sorted({l.port for l in profile.listens()})} free")
+        print(f"verified after stop: GPUs {sorted(profile.gpus)} idle, ports {sorted({listen.port for listen in profile.listens()})} free")
         return 0
     print("after stop, still held:\n  " + "\n  ".join(report.problems()))
     return 1
@@ -237,7 +237,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"profile": profile.name, "ok": report.ok, **report.to_json()}, indent=2))
     elif report.ok:
-        print(f"{profile.name}: profile valid; GPUs {sorted(profile.gpus)} idle; ports {', '.join(str(l.port) for l in profile.listens())} free")
+        print(f"{profile.name}: profile valid; GPUs {sorted(profile.gpus)} idle; ports {', '.join(str(listen.port) for listen in profile.listens())} free")
     else:
         print(f"{profile.name}: profile valid, but preconditions are not met:")
         for line in report.problems():
@@ -357,7 +357,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     except OSError as e:
         from ..errors import OperationFailed
 
-        raise OperationFailed(f"cannot run journalctl: {e.strerror}")
+        raise OperationFailed(f"cannot run journalctl: {e.strerror}") from None
     return 1
 
 

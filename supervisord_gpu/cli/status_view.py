@@ -40,19 +40,19 @@ def collect(config_dir: str | None, only: str | None = None) -> dict[str, Any]:
     for name in sorted(set(profiles) | set(units)):
         if only and name != only:
             continue
-        u = units.get(name)
+        unit = units.get(name)
         entry: dict[str, Any] = {
             "instance": name,
             "unit": f"dsv4@{name}.service",
-            "active_state": u.active if u else ("unknown" if bus is None else "inactive"),
-            "sub_state": u.sub if u else "",
-            "since": (u.since_us / 1e6) if u and u.since_us else None,
-            "status_text": u.status_text if u else "",
-            "result": u.result if u else "",
+            "active_state": unit.active if unit else ("unknown" if bus is None else "inactive"),
+            "sub_state": unit.sub if unit else "",
+            "since": (unit.since_us / 1e6) if unit and unit.since_us else None,
+            "status_text": unit.status_text if unit else "",
+            "result": unit.result if unit else "",
             "profile_exists": name in profiles,
             "daemon": None,
         }
-        if bus is not None and u is not None and u.active in ACTIVE:
+        if bus is not None and unit is not None and unit.active in ACTIVE:
             try:
                 from ..bus.client import InstanceClient
 

@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+import tomllib  # Python 3.11+ (Debian 12); older Pythons would use the tomli package
 
 from ..errors import ConfigError
 from ..ownership.names import INSTANCE_NAME_RE, PROCESS_NAME_RE
@@ -95,24 +91,24 @@ def read_toml(path: Path) -> dict[str, Any]:
     except ConfigError:
         raise
     except IsADirectoryError:
-        raise ConfigError(path, "", "is a directory, not a file")
+        raise ConfigError(path, "", "is a directory, not a file") from None
     except FileNotFoundError:
-        raise ConfigError(path, "", "does not exist")
+        raise ConfigError(path, "", "does not exist") from None
     except PermissionError:
-        raise ConfigError(path, "", "cannot be read (permission denied)")
+        raise ConfigError(path, "", "cannot be read (permission denied)") from None
     except OSError as e:
-        raise ConfigError(path, "", f"cannot be read ({e.strerror})")
+        raise ConfigError(path, "", f"cannot be read ({e.strerror})") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
-        raise ConfigError(path, "", f"is not valid UTF-8 (line {line}, byte {e.start})")
+        raise ConfigError(path, "", f"is not valid UTF-8 (line {line}, byte {e.start})") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(path, "", f"is not valid TOML: {e}")
+        raise ConfigError(path, "", f"is not valid TOML: {e}") from None
     except RecursionError:
-        raise ConfigError(path, "", "is not valid TOML: nested too deeply")
+        raise ConfigError(path, "", "is not valid TOML: nested too deeply") from None
 
 
 # ----------------------------------------------------------------------------- daemon config

@@ -13,7 +13,7 @@ import pwd
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..errors import ConfigError
 from ..sglang.caches import cache_environment

@@ -6,9 +6,11 @@ So a typo is never silently ignored, and every message points at the exact place
 
 from __future__ import annotations
 
+import builtins
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from ..errors import ConfigError
 
@@ -18,30 +20,30 @@ MAX_PORT = 65535
 
 
 class Table:
-    def __init__(self, path: Path | str, prefix: str, data: Any) -> None:
+    def __init__(self, path: Path | builtins.str, prefix: builtins.str, data: Any) -> None:
         self.path = str(path)
         self.prefix = prefix
         if not isinstance(data, dict):
             raise ConfigError(self.path, prefix, f"must be a table, not {type_name(data)}")
         self._data = dict(data)
 
-    def key(self, name: str) -> str:
+    def key(self, name: builtins.str) -> builtins.str:
         return f"{self.prefix}.{name}" if self.prefix else name
 
-    def error(self, name: str, problem: str) -> ConfigError:
+    def error(self, name: builtins.str, problem: builtins.str) -> ConfigError:
         return ConfigError(self.path, self.key(name), problem)
 
-    def has(self, name: str) -> bool:
+    def has(self, name: builtins.str) -> builtins.bool:
         return name in self._data
 
-    def _take(self, name: str, default: Any) -> Any:
+    def _take(self, name: builtins.str, default: Any) -> Any:
         if name in self._data:
             return self._data.pop(name)
         if default is _MISSING:
             raise self.error(name, "is required")
         return default
 
-    def _typed(self, name: str, default: Any, kinds: tuple[type, ...], what: str) -> Any:
+    def _typed(self, name: builtins.str, default: Any, kinds: tuple[type, ...], what: builtins.str) -> Any:
         value = self._take(name, default)
         if value is default and default is not _MISSING:
             return value
@@ -51,7 +53,7 @@ class Table:
             raise self.error(name, f"must be {what}, not {type_name(value)}")
         return value
 
-    def str(self, name: str, default: Any = _MISSING, choices: tuple[str, ...] | None = None) -> Any:
+    def str(self, name: builtins.str, default: Any = _MISSING, choices: tuple[builtins.str, ...] | None = None) -> Any:
         value = self._typed(name, default, (str,), "a string")
         if isinstance(value, str):
             if "\x00" in value:
@@ -60,16 +62,17 @@ class Table:
                 raise self.error(name, f"must be one of {', '.join(choices)}, not {value!r}")
         return value
 
-    def bool(self, name: str, default: Any = _MISSING) -> Any:
+    def bool(self, name: builtins.str, default: Any = _MISSING) -> Any:
         return self._typed(name, default, (bool,), "true or false")
 
-    def int(self, name: str, default: Any = _MISSING, lo: int | None = None, hi: int | None = None) -> Any:
+    def int(self, name: builtins.str, default: Any = _MISSING, lo: builtins.int | None = None,
+            hi: builtins.int | None = None) -> Any:
         value = self._typed(name, default, (int,), "an integer")
         if isinstance(value, int) and value is not default:
             check_range(self, name, value, lo, hi)
         return value
 
-    def number(self, name: str, default: Any = _MISSING, lo: float | None = None, hi: float | None = None) -> Any:
+    def number(self, name: builtins.str, default: Any = _MISSING, lo: float | None = None, hi: float | None = None) -> Any:
         value = self._typed(name, default, (int, float), "a number")
         if isinstance(value, (int, float)) and value is not default:
             if isinstance(value, float) and not math.isfinite(value):
@@ -78,10 +81,10 @@ class Table:
             value = float(value)
         return value
 
-    def port(self, name: str, default: Any = _MISSING) -> Any:
+    def port(self, name: builtins.str, default: Any = _MISSING) -> Any:
         return self.int(name, default, lo=1, hi=MAX_PORT)
 
-    def list(self, name: str, item: Callable[[Any, str], T], default: Any = _MISSING) -> Any:
+    def list(self, name: builtins.str, item: Callable[[Any, builtins.str], T], default: Any = _MISSING) -> Any:
         value = self._take(name, default)
         if value is default and default is not _MISSING:
             return value
@@ -89,14 +92,14 @@ class Table:
             raise self.error(name, f"must be a list, not {type_name(value)}")
         return tuple(item(v, f"{self.key(name)}[{i}]") for i, v in enumerate(value))
 
-    def table(self, name: str, required: bool = False) -> "Table":
+    def table(self, name: builtins.str, required: builtins.bool = False) -> Table:
         value = self._take(name, _MISSING if required else {})
         return Table(self.path, self.key(name), value)
 
-    def raw(self, name: str, default: Any = _MISSING) -> Any:
+    def raw(self, name: builtins.str, default: Any = _MISSING) -> Any:
         return self._take(name, default)
 
-    def items(self) -> list[tuple[str, Any]]:
+    def items(self) -> builtins.list[tuple[builtins.str, Any]]:
         """Take every remaining key (for free-form tables such as options and env)."""
         items = list(self._data.items())
         self._data.clear()

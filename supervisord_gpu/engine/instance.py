@@ -10,7 +10,7 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from ..config.model import Profile
 from ..config.render import Launch
@@ -157,7 +157,7 @@ class Instance:
     async def _start_all(self) -> None:
         ready: dict[str, asyncio.Event] = {name: asyncio.Event() for name in self.processes}
         all_up = asyncio.Event()
-        self._start_abort = asyncio.Event()
+        self._start_abort = start_abort = asyncio.Event()
         self._start_failure = None
 
         async def bring_up(proc: ManagedProcess) -> None:
@@ -173,7 +173,7 @@ class Instance:
             # A process that dies after its own readiness but before the instance is ready fails
             # the start (naming it); the restart policy only applies to a ready instance.
             done = asyncio.ensure_future(all_up.wait())
-            abort = asyncio.ensure_future(self._start_abort.wait())
+            abort = asyncio.ensure_future(start_abort.wait())
             await asyncio.wait({done, abort}, return_when=asyncio.FIRST_COMPLETED)
             done.cancel()
             abort.cancel()

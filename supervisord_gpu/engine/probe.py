@@ -45,7 +45,7 @@ async def probe(host: str, port: int, path: str, timeout: float, min_workers: in
                 if _healthy_workers(body) < min_workers:
                     status = 503
             return ProbeResult(status, connected)
-    except (OSError, asyncio.TimeoutError, ValueError):
+    except (TimeoutError, OSError, ValueError):
         return ProbeResult(None, connected)
     finally:
         if writer is not None:
@@ -84,7 +84,7 @@ async def request(method: str, host: str, port: int, path: str, body: object = N
             writer.write(head.encode() + payload)
             await writer.drain()
             raw = await reader.read()
-    except (OSError, asyncio.TimeoutError, ValueError):
+    except (TimeoutError, OSError, ValueError):
         return None, b""
     finally:
         if writer is not None:

@@ -13,7 +13,7 @@ import pwd
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from ..checks.ports import check_ports, listener_ownership
 from ..config.render import Launch
@@ -118,7 +118,7 @@ class ManagedProcess:
         #: a router's readiness needs all of its workers healthy, not just one
         self.expected_workers = len(self.spec.workers) + len(self.spec.prefill) + len(self.spec.decode)
         #: called with this process when it exits on its own while ready or restarting
-        self.on_unexpected_exit: Callable[["ManagedProcess"], None] | None = None
+        self.on_unexpected_exit: Callable[[ManagedProcess], None] | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -286,7 +286,7 @@ class ManagedProcess:
 
     def _port_holders(self) -> str:
         """Who holds its ports now: "127.0.0.1:30001 (router) held by pid 4711 (user ...) ..."."""
-        held = [s.problem() for s in check_ports((l.host, l.port, l.label) for l in self.spec.listens()) if not s.free]
+        held = [s.problem() for s in check_ports((listen.host, listen.port, listen.label) for listen in self.spec.listens()) if not s.free]
         return "; ".join(p for p in held if p)
 
     def _scan_files(self) -> None:
@@ -351,7 +351,7 @@ class ManagedProcess:
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), min(spec.probe.interval_s, remaining))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def _probe_unless_exited(self, host: str) -> ProbeResult | None:
@@ -435,7 +435,7 @@ class ManagedProcess:
                 pass
             try:
                 await asyncio.wait_for(self._exited.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.signals_sent[signal.SIGKILL] = f"still running {timeout:g} s after SIGTERM"
                 self.sink.event(
                     f"{self.name}: still running {timeout:g} s after SIGTERM; killing its cgroup",
@@ -453,7 +453,7 @@ class ManagedProcess:
             if not task.done():
                 try:
                     await asyncio.wait_for(asyncio.shield(task), 1.0)
-                except (asyncio.TimeoutError, Exception):
+                except (TimeoutError, Exception):
                     task.cancel()
         await group.release()
         removed = await asyncio.to_thread(self._remove_leftover_files)

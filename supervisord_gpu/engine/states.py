@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 
 
-class State(str, enum.Enum):
+class State(enum.StrEnum):
     STOPPED = "stopped"
     STARTING = "starting"
     READY = "ready"

@@ -16,7 +16,8 @@ import os
 import signal
 import sys
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 @dataclass
@@ -94,10 +95,10 @@ class OwnershipDriver(abc.ABC):
     async def _adopt(self, group: ProcessGroup, pid: int) -> ProcessGroup:
         """Move the gated child into its group; return the group (drivers may replace it)."""
 
-    def guard(self, instance: str) -> None:
+    def guard(self, instance: str) -> None:  # noqa: B027  (a hook: a no-op where systemd does it)
         """Make sure the instance's processes die if this daemon dies (a no-op where systemd does it)."""
 
-    def _popen_extra(self) -> dict[str, object]:
+    def _popen_extra(self) -> dict[str, Any]:
         """Extra Popen arguments a driver needs."""
         return {}
 
@@ -106,8 +107,9 @@ class OwnershipDriver(abc.ABC):
         group = await self._create_group(req.instance, req.process)
         gate_r, gate_w = os.pipe()
         try:
+            program, *args = gate_argv(gate_r, req.argv)
             proc = await asyncio.create_subprocess_exec(
-                *gate_argv(gate_r, req.argv),
+                program, *args,
                 env=dict(req.env),
                 cwd=req.cwd,
                 **credentials(req.user),
@@ -140,7 +142,7 @@ class OwnershipDriver(abc.ABC):
         return Spawned(proc, group)
 
 
-def credentials(user: str | None) -> dict[str, object]:
+def credentials(user: str | None) -> dict[str, Any]:
     """Popen arguments that make a child `user` entirely: uid, primary gid and the user's
     supplementary groups (initgroups), never root's group 0 or root's other groups."""
     if user is None:

@@ -8,7 +8,7 @@ process walk or a sleep.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import asyncio
 import errno
@@ -132,7 +132,11 @@ class CgroupDir(ProcessGroup):
                 if cgroup_gone(e):
                     return True
                 raise
-            loop.add_reader(ino.fd, lambda: (ino.drain(), changed.set()))
+            def on_event() -> None:
+                ino.drain()
+                changed.set()
+
+            loop.add_reader(ino.fd, on_event)
             deadline = None if timeout is None else time.monotonic() + timeout
             while self.populated():
                 changed.clear()
@@ -141,7 +145,7 @@ class CgroupDir(ProcessGroup):
                     return False
                 try:
                     await asyncio.wait_for(changed.wait(), remaining)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     return not self.populated()
             return True
         finally:

@@ -9,7 +9,7 @@ simply holds nothing here.
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 
 def fd_targets(pid: int | str) -> Iterator[str]:

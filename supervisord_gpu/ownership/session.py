@@ -7,7 +7,7 @@ why choosing it logs a loud warning every time.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import asyncio
 import os

@@ -21,7 +21,7 @@ import asyncio
 import os
 import signal
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import OwnershipError
 from .base import OwnershipDriver, ProcessGroup
@@ -53,7 +53,7 @@ def _own_service_and_slice() -> tuple[str | None, str | None]:
 class ScopeGroup(ProcessGroup):
     """A transient scope: killed through systemd, watched through its cgroup.events."""
 
-    def __init__(self, driver: "SystemdDriver", unit: str, process: str) -> None:
+    def __init__(self, driver: SystemdDriver, unit: str, process: str) -> None:
         self.driver = driver
         self.unit = unit
         self.process = process

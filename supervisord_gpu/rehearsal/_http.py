@@ -20,7 +20,8 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 _print_lock = threading.RLock()  # re-entrant: a signal handler may log while the main thread is printing
@@ -114,7 +115,7 @@ class InFlight:
         self._count = 0
         self._cond = threading.Condition()
 
-    def __enter__(self) -> "InFlight":
+    def __enter__(self) -> InFlight:
         with self._cond:
             self._count += 1
         return self

@@ -62,7 +62,8 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from supervisord_gpu.rehearsal._http import (

@@ -152,7 +152,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, NoReturn
+from collections.abc import Callable, Sequence
 
 from supervisord_gpu.rehearsal._http import (
     JSONHandler,
@@ -235,7 +236,7 @@ class Fault:
     seconds: float = 0.0
 
     @classmethod
-    def parse(cls, text: str | None) -> "Fault | None":
+    def parse(cls, text: str | None) -> Fault | None:
         if not text:
             return None
         kind, _, arg = text.strip().partition(":")
@@ -282,7 +283,7 @@ class Settings:
     health_generation: bool = True
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | os._Environ[str]) -> "Settings":
+    def from_env(cls, env: dict[str, str] | os._Environ[str]) -> Settings:
         mode = (env.get(ENV_SCHEDULERS) or "children").strip()
         if mode not in SCHEDULER_MODES:
             raise ValueError(f"{ENV_SCHEDULERS} must be one of {', '.join(SCHEDULER_MODES)}, not {mode!r}")
@@ -1071,15 +1072,15 @@ class StandinServer:
         is_generation = info.get("is_generation", True) if isinstance(info, dict) else True
         path = "/generate" if is_generation else "/encode"
         n = max(1, a.dp_size)
-        body: dict[str, Any] = {"sampling_params": {"temperature": 0, "max_new_tokens": 8 if is_generation else 1},
-                                "text": ["The capital city of France is"] * n}
+        request: dict[str, Any] = {"sampling_params": {"temperature": 0, "max_new_tokens": 8 if is_generation else 1},
+                                   "text": ["The capital city of France is"] * n}
         if self.pd_mode != "null":
             self.log("Start of pd disaggregation warmup ...")
-            body["sampling_params"]["ignore_eos"] = True
-            body["bootstrap_host"] = ["2.2.2.2"] * n  # SGLang's FAKE_BOOTSTRAP_HOST
-            body["bootstrap_room"] = [random.getrandbits(63) for _ in range(n)]
+            request["sampling_params"]["ignore_eos"] = True
+            request["bootstrap_host"] = ["2.2.2.2"] * n  # SGLang's FAKE_BOOTSTRAP_HOST
+            request["bootstrap_room"] = [random.getrandbits(63) for _ in range(n)]
         try:
-            code, _, reply = fetch("POST", self.url() + path, json.dumps(body).encode(), timeout=generate_timeout)
+            code, _, reply = fetch("POST", self.url() + path, json.dumps(request).encode(), timeout=generate_timeout)
         except OSError as e:
             return f"POST {path}: {e!r}"
         if code != 200:
@@ -1145,7 +1146,7 @@ class StandinServer:
                     self._on_sigterm()
                     next_check = self._first_drain_check()
             now = time.monotonic()
-            if crash_at is not None and now >= crash_at:
+            if crash_at is not None and now >= crash_at and s.fault is not None:
                 self.crash_exception("event_loop_overlap", f"injected fault crash-after-ready:{s.fault.seconds:g}")
             if next_check is not None and now >= next_check:
                 if self._drain_check():

@@ -68,6 +68,6 @@ def _check_table(name: str, args: list[str]) -> FlagCheck:
             build_parser().parse_args(args)
     except SystemExit as e:
         if e.code:
-            lines = [l for l in err.getvalue().strip().splitlines() if l]
+            lines = [line for line in err.getvalue().strip().splitlines() if line]
             return FlagCheck(name, False, how, lines[-1] if lines else f"exit {e.code}")
     return FlagCheck(name, True, how)

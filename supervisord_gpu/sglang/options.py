@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 SGLANG_VERSION = "0.5.23"
 FLAGS_FILE = "sglang-0.5.23-flags.txt"

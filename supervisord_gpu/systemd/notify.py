@@ -15,7 +15,7 @@ import re
 import select
 import socket
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ..engine.events import Event
 from ..engine.instance import Instance, InstanceStatus
