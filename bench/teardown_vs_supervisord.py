@@ -51,7 +51,7 @@ from support import CgroupSandbox, Recorder, free_ports, make_instance, write_co
 from supervisord_gpu.checks.ports import check_port
 from supervisord_gpu.checks.preconditions import wait_until_clear
 from supervisord_gpu.checks.simgpu import SimulatedGpus
-from supervisord_gpu.preflight import inventory_for, requirement_for
+from supervisord_gpu.controller.preflight import inventory_for, requirement_for
 
 SIZES = [int(x) for x in os.environ.get("TEARDOWN_SIZES", "1,4,16").split(",")]
 RUNS = int(os.environ.get("TEARDOWN_RUNS", "3"))

@@ -1,22 +1,28 @@
-"""The daemon's assembly: config -> profile -> driver -> instance, then serve until told to stop.
+"""The daemon's assembly: config -> profile -> instance -> controller, then the controller's life.
 
 `supervisord-gpu run NAME` (under systemd) and `gpusupctl rehearse NAME` (in a terminal)
 both come here; rehearsal only swaps SGLang for stand-ins and NVML for simulated GPUs.
+Nothing here decides anything: the lifecycle (start, take over, roll back, restart, stop)
+is controller/controller.py; this file wires it to signals, sd_notify, D-Bus and metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-from .config.loader import effective_config, load_daemon_config, load_profile  # noqa: F401
+from .config.loader import effective_config, load_daemon_config, load_profile
 from .config.model import DaemonConfig, Profile
 from .config.render import render
+from .controller import registry
+from .controller.controller import InstanceController
+from .controller.preflight import inventory_for
 from .engine.events import Event
 from .engine.instance import Instance
-from .errors import EXIT_FAILED, EXIT_OK, SupervisorError, TakeoverFailed
+from .errors import SupervisorError
 from .ownership import choose_driver
 from .systemd.journal import open_sink
 from .systemd.notify import Notifier, status_text
@@ -55,16 +61,12 @@ def build_instance(cfg: DaemonConfig, profile: Profile, opts: RunOptions):  # ty
 
 
 async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
-    from .preflight import inventory_for, prepare_start
-
+    """Run one instance through its controller until it stops; returns the daemon's exit status."""
     loop = asyncio.get_running_loop()
     instance, sink = build_instance(cfg, profile, opts)
     notifier = opts.notifier or Notifier(stall_s=cfg.start_stall_timeout_s)
     notifier.attach(instance)
     instance.listeners.extend(opts.listeners)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     sink.event(
         f"instance {profile.name}: {len(profile.processes)} process(es), ownership driver {instance.owner.name}"
         + (" (REHEARSAL: stand-in servers, simulated GPUs)" if cfg.rehearsal.enabled else ""),
@@ -72,22 +74,15 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
         GPUSUP_EVENT="begin",
     )
     keepalive = loop.create_task(notifier.run(instance, healthy=lambda: instance.state.value != "failed"))
-    bus = start_bus(cfg, profile, instance, stop, opts, sink)
-    from . import registry
-    from .transition import TransitionLock, start_instance
-
-    lock = TransitionLock(cfg.runtime_dir, profile.name)
-    stopped: list = []  # type: ignore[type-arg]
-
-    async def preflight() -> None:
-        await lock.acquire()
-        await prepare_start(profile, cfg, inventory, say=lambda m, p: sink.event(m, p, GPUSUP_EVENT="transition"),
-                            progress=instance.set_transition, stopped=stopped)
-        instance.set_transition("")
-
-    exporter = None
+    exporter: Any = None
+    bus: Any = None
+    controller: InstanceController | None = None
     try:
-        inventory = inventory_for(cfg, cfg.rehearsal.enabled)
+        try:
+            inventory = inventory_for(cfg, cfg.rehearsal.enabled)
+        except SupervisorError as e:  # NVML missing, simulated GPUs unreadable: say it in STATUS= too
+            instance.fail(str(e))
+            raise
         if cfg.metrics.enabled:
             from .metrics import MetricsExporter
 
@@ -95,65 +90,37 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
             exporter.start()
             instance.listeners.append(exporter.on_event)
             exporter.watch_loop(loop)
+        controller = InstanceController(
+            cfg, profile, instance, inventory,
+            say=lambda message, priority, event: sink.event(message, priority, GPUSUP_EVENT=event),
+            on_transition=exporter.transition_observed if exporter else None,
+            wrap_preflight=exporter.counting_preflight if exporter else None,
+        )
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, controller.request_stop)
+        bus = start_bus(cfg, profile, controller, opts, sink)
         registry.register(cfg.runtime_dir, profile, instance.owner.name)
-        start = loop.create_task(instance.start(preflight=exporter.counting_preflight(preflight) if exporter else preflight))
-        stopper = loop.create_task(stop.wait())
-        await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        if not start.done():  # told to stop while starting: abandon the start, stop in order
-            start.cancel()
-            try:
-                await start
-            except (asyncio.CancelledError, SupervisorError):
-                pass
-            lock.release()
+        on_ready = (lambda: opts.on_ready(instance)) if opts.on_ready else None  # type: ignore[misc]
+        code = await controller.run(on_ready=on_ready, stop_after_ready=opts.stop_after_ready)
+        if controller.stop_requested.is_set():
             notifier.send("STOPPING=1")
-            return EXIT_OK
-        stopper.cancel()
-        lock.release()
-        exc = start.exception()
-        if exc is not None:
-            instance.set_transition("")
-            notifier.status(status_text(instance.status()))
-            sink.event(str(exc), 3, GPUSUP_EVENT="start-failed")
-            if not stopped:
-                raise exc
-            if profile.rollback:
-                for c in stopped:
-                    try:
-                        start_instance(c)
-                        sink.event(f"rollback: {profile.name} failed to start; dsv4@{c.instance} started again", 4,
-                                   GPUSUP_EVENT="rollback")
-                    except SupervisorError as e:
-                        sink.event(f"rollback of dsv4@{c.instance} failed: {e}", 3, GPUSUP_EVENT="rollback")
-            raise TakeoverFailed(f"{exc} (after taking over {', '.join('dsv4@' + c.instance for c in stopped)}"
-                                 + ("; rolled back" if profile.rollback else "; rollback = false") + ")") from exc
-        if opts.on_ready:
-            opts.on_ready(instance)
-        if not opts.stop_after_ready:
-            failed = loop.create_task(instance.failed.wait())
-            stopper = loop.create_task(stop.wait())
-            await asyncio.wait({failed, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            failed.cancel()
-            stopper.cancel()
-            if instance.failed.is_set():
-                return EXIT_FAILED
-        await instance.stop("stop requested")
-        return EXIT_OK
+        return code
     finally:
         notifier.status(status_text(instance.status()))
         notifier.barrier()  # the last STATUS= must reach systemd before we exit
         if exporter is not None:
             exporter.stop()
-        lock.release()
+        if controller is not None:
+            controller.lock.release()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
         registry.unregister(cfg.runtime_dir, profile.name)
         keepalive.cancel()
         if bus is not None:
             bus.close()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
 
 
-def start_bus(cfg: DaemonConfig, profile: Profile, instance: Instance, stop: asyncio.Event, opts: RunOptions, sink):  # type: ignore[no-untyped-def]
+def start_bus(cfg: DaemonConfig, profile: Profile, controller: InstanceController, opts: RunOptions, sink):  # type: ignore[no-untyped-def]
     """Publish the instance on the system bus; without a bus the daemon still runs, and says so."""
     if opts.bus == "off":
         return None
@@ -164,24 +131,9 @@ def start_bus(cfg: DaemonConfig, profile: Profile, instance: Instance, stop: asy
         return None
 
     loop = asyncio.get_running_loop()
-
-    async def request_stop() -> None:
-        stop.set()
-
-    async def restart_all() -> None:
-        from .preflight import inventory_for, refuse_unless_clear
-
-        await instance.stop("restart requested")
-        inventory = inventory_for(cfg, cfg.rehearsal.enabled)
-        try:
-            await instance.start(preflight=lambda: refuse_unless_clear(profile, inventory))
-        except SupervisorError as e:
-            sink.event(f"restart failed: {e}", 3, GPUSUP_EVENT="start-failed")
-            instance.failed.set()
-
-    controls = Controls(request_stop, restart_all, instance.restart_process, lambda: list(instance.processes))
+    instance = controller.instance
     try:
-        service = BusService(profile.name, loop, controls, cfg.control_group)
+        service = BusService(profile.name, loop, Controls(controller, loop), cfg.control_group)
     except Exception as e:  # no bus, or the name is taken: run on, loudly
         if opts.bus == "on":
             raise
@@ -207,6 +159,14 @@ def start_bus(cfg: DaemonConfig, profile: Profile, instance: Instance, stop: asy
 
 
 def run(profile_name: str, config_dir: str | None, opts: RunOptions) -> int:
-    cfg = effective_config(load_daemon_config(config_dir), opts.rehearsal)
-    profile = load_profile(cfg, profile_name)
+    """The daemon's entry point. A config or profile error is also systemd's STATUS= (so that
+    `systemctl status` and `gpusupctl status` say why), then one line and exit 2 (cli/common.py)."""
+    try:
+        cfg = effective_config(load_daemon_config(config_dir), opts.rehearsal)
+        profile = load_profile(cfg, profile_name)
+    except SupervisorError as e:
+        early = opts.notifier or Notifier()
+        early.status(f"failed: {str(e).splitlines()[0]}")
+        early.barrier()
+        raise
     return asyncio.run(serve(cfg, profile, opts))

@@ -15,6 +15,10 @@ EXIT_USAGE = 2
 EXIT_PRECONDITIONS = 3
 EXIT_UNREACHABLE = 4
 EXIT_TAKEOVER_FAILED = 5  # the unit lists it in RestartPreventExitStatus: see TakeoverFailed
+#: the instance gave up: a process reached its restart limit, or a restart asked for over
+#: D-Bus failed. Final like 2, 3 and 5 (RestartPreventExitStatus): systemd retrying would
+#: only repeat a start that costs minutes and has just failed the same way.
+EXIT_GAVE_UP = 6
 
 
 class SupervisorError(Exception):

@@ -16,10 +16,18 @@ DAEMON = f"{REPO}/.venv/bin/supervisord-gpu"
 CONFIG = """
 [daemon]
 start_stall_timeout = {stall}
+# The tests' own profiles run their stand-ins as root; the shipped ones say user = "sglang".
+default_user = "root"
 [rehearsal]
 enabled = true
 server_startup = {startup}
 server_mib_per_gpu = 1000
+"""
+METRICS = """
+[metrics]
+enabled = true
+host = "127.0.0.1"
+port = {port}
 """
 
 
@@ -28,12 +36,14 @@ def unit_text(drop: str = "") -> str:
     return text.replace("ExecStart=/usr/bin/supervisord-gpu run %i", f"ExecStart={DAEMON} run %i") + drop
 
 
-def install(ctr, startup: float = 1.0, stall: float = 120.0, unit_extra: str = "") -> None:  # type: ignore[no-untyped-def]
+def install(ctr, startup: float = 1.0, stall: float = 120.0, unit_extra: str = "",  # type: ignore[no-untyped-def]
+            metrics_port: int | None = None) -> None:
     """Our unit, D-Bus policy, config, shipped profiles and the package's users, as the .deb would."""
     ctr.write_file("/etc/systemd/system/dsv4@.service", unit_text())
     if unit_extra:
         ctr.write_file("/etc/systemd/system/dsv4@.service.d/test.conf", "[Service]\n" + unit_extra)
-    ctr.write_file("/etc/supervisord-gpu/supervisord-gpu.toml", CONFIG.format(startup=startup, stall=stall))
+    ctr.write_file("/etc/supervisord-gpu/supervisord-gpu.toml", CONFIG.format(startup=startup, stall=stall)
+                   + (METRICS.format(port=metrics_port) if metrics_port else ""))
     for p in (REPO / "etc" / "supervisord-gpu" / "profiles").glob("*.toml"):
         ctr.write_file(f"/etc/supervisord-gpu/profiles/{p.name}", p.read_text())
     ctr.write_file("/etc/dbus-1/system.d/org.supervisordgpu.conf",

@@ -117,7 +117,7 @@ def test_every_state_change_is_signalled_while_a_process_restarts(daemon):
                                signal_fired=lambda *a: (seen.append((a[4][1], a[4][2])),
                                                         loop.quit() if a[4][1] == "" and a[4][2] == "ready" else None))
     GLib.timeout_add_seconds(30, loop.quit)
-    assert daemon.obj.RestartProcess("decode") == "restarting pd/decode"
+    assert json.loads(daemon.obj.RestartProcess("decode"))["verb"] == "restart decode"
     loop.run()
     sub.unsubscribe()
     decode_states = [s for p, s in seen if p == "decode"]
@@ -146,7 +146,7 @@ def test_the_daemon_refuses_control_calls_itself_when_the_bus_policy_lets_them_t
 
 
 def test_stop_from_root_stops_in_order_and_the_daemon_exits_cleanly(daemon):
-    assert daemon.obj.Stop() == "stopping pd"
+    assert daemon.obj.Stop().startswith("stopping pd: ")
     assert daemon.proc.wait(30) == 0
     daemon.log.seek(0)
     log = daemon.log.read()
@@ -167,15 +167,61 @@ def test_the_policy_file_opens_exactly_the_read_methods():
     assert set(names.READ_METHODS) == reads
 
 
+def wait_job(daemon, job_id: int, timeout: float = 60.0) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    deadline = time.monotonic() + timeout
+    while True:
+        job = json.loads(daemon.obj.GetJob(job_id))
+        if job["state"] != "running" or time.monotonic() > deadline:
+            return job  # type: ignore[no-any-return]
+        time.sleep(0.1)
+
+
 def test_a_second_control_call_while_one_runs_is_refused_as_busy(daemon):
-    assert daemon.obj.RestartProcess("decode") == "restarting pd/decode"
-    with pytest.raises(Exception, match="org.supervisordgpu.Error.Busy"):
+    first = json.loads(daemon.obj.RestartProcess("decode"))
+    assert first["verb"] == "restart decode" and first["state"] == "running"
+    with pytest.raises(Exception, match=f"org.supervisordgpu.Error.Busy.*busy with job {first['id']}"):
         daemon.obj.RestartProcess("prefill")
-    deadline = time.monotonic() + 60
-    while json.loads(daemon.obj.GetStatus())["state"] != "ready" and time.monotonic() < deadline:
-        time.sleep(0.2)
+    assert wait_job(daemon, first["id"]) == {**first, "state": "done", "reason": "decode restarted",
+                                             "ended_at": json.loads(daemon.obj.GetJob(first["id"]))["ended_at"]}
     assert json.loads(daemon.obj.GetStatus())["state"] == "ready"
-    assert daemon.obj.RestartProcess("prefill") == "restarting pd/prefill"  # free again once it is done
+    second = json.loads(daemon.obj.RestartProcess("prefill"))  # free again once it is done
+    assert second["id"] > first["id"] and wait_job(daemon, second["id"])["state"] == "done"
+    with pytest.raises(Exception, match="org.supervisordgpu.Error.UnknownJob"):
+        daemon.obj.GetJob(999_999)
+
+
+def test_a_dbus_restart_takes_the_whole_start_path_lock_and_checks_included(daemon, tmp_path):
+    """Restart is stop + the daemon's own start: it waits for the transition lock, then the
+    preflight refuses a stranger on the router's port, naming it; the daemon exits 3 (final)."""
+    import fcntl
+    import socket
+
+    router = json.loads(daemon.obj.GetProcess("router"))
+    fd = os.open(tmp_path / "run" / "transition.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, b"tester (pid 1)", 0)
+    stranger = socket.socket()
+    try:
+        job = json.loads(daemon.obj.Restart())
+        assert job["verb"] == "restart" and job["state"] == "running"
+        deadline = time.monotonic() + 30
+        while "waiting for the transition of tester (pid 1)" not in daemon.obj.StatusText:
+            assert time.monotonic() < deadline, daemon.obj.StatusText
+            time.sleep(0.05)
+        assert {p["state"] for p in json.loads(daemon.obj.GetStatus())["processes"]} == {"stopped"}  # stopped first
+        stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        stranger.bind((router["host"], router["port"]))
+        stranger.listen()
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        assert daemon.proc.wait(60) == 3
+    finally:
+        os.close(fd)
+        stranger.close()
+    daemon.log.seek(0)
+    log = daemon.log.read()
+    assert f"refusing to start: port {router['host']}:{router['port']} (router) held by pid {os.getpid()}" in log, log[-2000:]
+    assert f"job {job['id']} (restart): refused" in log
 
 
 def test_what_a_caller_sent_is_echoed_back_bounded(daemon):

@@ -18,11 +18,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisord_gpu import registry
+from supervisord_gpu.controller import registry
 from supervisord_gpu.checks.simgpu import SimulatedGpus
 from supervisord_gpu.config.trust import UntrustedPath, secure_directory
 from supervisord_gpu.errors import PreconditionError
-from supervisord_gpu.transition import TransitionLock
+from supervisord_gpu.controller.lock import TransitionLock
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the daemon's trust rules are for a daemon running as root")
 NOBODY = pwd.getpwnam("nobody")

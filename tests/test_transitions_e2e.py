@@ -8,6 +8,8 @@ import time
 import urllib.error
 import urllib.request
 
+import socket
+
 import pytest
 
 from box import box, ours, stand_ins  # noqa: F401  (box is a fixture)
@@ -16,6 +18,12 @@ pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 
 DECOY = ["systemd-run", "--unit=decoy", "--collect", "python3", "-c", "import time; time.sleep(3600)",
          "-m", "sglang.launch_server", "--port", "30001"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def events(box, unit: str, event: str) -> list[dict]:  # type: ignore[no-untyped-def]
@@ -69,8 +77,14 @@ class RequestLoop:
         self.thread.join(30)
 
 
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
 def test_pd_to_tp4_and_back_in_order_verified_and_without_losing_a_request(box):
-    box.install(startup=1.0)
+    port = free_port()
+    box.install(startup=1.0, metrics_port=port)
     # every generation takes 0.3 s (30 tokens x 10 ms), so requests are in flight when the router drains
     for name in ("pd-1p1d", "tp4-512k"):
         path = f"/etc/supervisord-gpu/profiles/{name}.toml"
@@ -95,6 +109,10 @@ def test_pd_to_tp4_and_back_in_order_verified_and_without_losing_a_request(box):
     drained = [e for e in box.journal("dsv4@pd-1p1d", "GPUSUP_PROCESS=router").splitlines() if "graceful shutdown" in e]
     assert drained, "the router was not asked to drain"
     assert decoy_alive(box)
+    # the takeover was timed, from what it stopped to what it started (the new daemon's metrics)
+    timed = [l for l in scrape(port).splitlines() if l.startswith("supervisord_gpu_transition_seconds_count{")]
+    assert [(sorted(l[l.index("{") + 1:l.index("}")].split(",")), l.split()[-1]) for l in timed] == [
+        (['from="pd-1p1d"', 'outcome="ok"', 'to="tp4-512k"'], "1.0")], timed
 
     box.systemctl("start", "dsv4@pd-1p1d", timeout=180)
     assert box.is_active("dsv4@pd-1p1d") == "active" and box.is_active("dsv4@tp4-512k") == "inactive"

@@ -77,6 +77,7 @@ def test_the_sandbox_reaches_the_servers_running_as_their_own_user(box):
     assert " ro," in f" {root.split()[5]}," or root.split()[5].startswith("ro"), root  # ProtectSystem=strict
     proc = next(m for m in mounts if m.split()[4] == "/proc" and "proc" in m.split(" - ")[1])
     assert "hidepid=invisible" in proc, proc  # ProtectProc=invisible
-    tmp = next(m for m in mounts if m.split()[4] == "/tmp")  # PrivateTmp=yes: not the container's /tmp
+    # PrivateTmp=yes: not the container's /tmp (the private one is mounted over it: the last one counts)
+    tmp = [m for m in mounts if m.split()[4] == "/tmp"][-1]
     assert tmp.split()[3] != "/", tmp
     box.systemctl("stop", "dsv4@tp4-512k", timeout=120)

@@ -2,11 +2,13 @@
 
 The decorator records the in/out signatures and whether the method is a control method;
 `introspection_xml(cls)` builds the XML pydbus publishes. So the bus surface of a class
-reads as a list, and authorization is declared per method where the method is defined.
+reads as a list, and authorization is declared, and enforced, per method where the method
+is defined.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 from collections.abc import Callable
@@ -16,7 +18,20 @@ _ATTR = "_dbus_export"
 
 
 def export(in_signature: str = "", out_signature: str = "", control: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark a method for the bus. `control=True` also *enforces* it: the method runs only after
+    `self.authorize(dbus_context, name)` has passed, so no control method can forget the check."""
+
     def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if control:
+            name = fn.__name__
+
+            @functools.wraps(fn)  # inspect.signature follows __wrapped__: pydbus still passes dbus_context
+            def authorized(self: Any, *args: Any, dbus_context: Any = None) -> Any:
+                self.authorize(dbus_context, name)
+                return fn(self, *args, dbus_context=dbus_context)
+
+            setattr(authorized, _ATTR, (in_signature, out_signature, control))
+            return authorized
         setattr(fn, _ATTR, (in_signature, out_signature, control))
         return fn
 

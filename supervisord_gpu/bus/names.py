@@ -18,7 +18,7 @@ OBJECT_PATH = "/org/supervisordgpu/Instance"
 INTERFACE = "org.supervisordgpu.Instance1"
 SIGNAL_STATE_CHANGED = "StateChanged"
 
-READ_METHODS = ("GetStatus", "GetProcess", "GetHistory", "Ping")
+READ_METHODS = ("GetStatus", "GetProcess", "GetHistory", "GetJob", "Ping")
 CONTROL_METHODS = ("Stop", "Restart", "RestartProcess")
 
 SYSTEMD_BUS = "org.freedesktop.systemd1"

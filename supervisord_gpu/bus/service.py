@@ -3,8 +3,9 @@
 pydbus serves from a GLib main loop, which runs in its own thread; the engine stays on its
 asyncio loop. The bus thread never touches engine objects: it reads the latest status
 snapshot (a JSON string the loop publishes on every event) and hands control calls to the
-loop with run_coroutine_threadsafe. Control methods check the caller's uid themselves, so a
-permissive bus policy does not open them.
+loop with run_coroutine_threadsafe. Control methods are checked by the @export decorator
+itself (root or the control group, by the caller's uid from the bus daemon), so a permissive
+bus policy does not open them and no method can forget the check.
 """
 
 from __future__ import annotations
@@ -15,13 +16,18 @@ import json
 import os
 import pwd
 import threading
-from typing import Any
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from pydbus.generic import signal as dbus_signal
 
 from . import names
+from ..controller.outcome import Job
+from ..errors import SupervisorError
 from .exports import export, exported_methods, introspection_xml
+
+if TYPE_CHECKING:
+    from ..controller.controller import InstanceController
 
 
 def _error(name: str) -> type[Exception]:
@@ -31,18 +37,43 @@ def _error(name: str) -> type[Exception]:
 
 AccessDenied = _error("AccessDenied")
 UnknownProcess = _error("UnknownProcess")
+UnknownJob = _error("UnknownJob")
 Busy = _error("Busy")
 
 
 class Controls:
-    """What the bus may ask the daemon to do; implemented on the daemon's loop."""
+    """What the bus may ask of the instance's controller, called from the bus thread.
 
-    def __init__(self, stop: Callable[[], Any], restart: Callable[[], Any], restart_process: Callable[[str], Any],
-                 process_names: Callable[[], list[str]]) -> None:
-        self.stop = stop
-        self.restart = restart
-        self.restart_process = restart_process
-        self.process_names = process_names
+    Each call crosses to the daemon's event loop and comes back with an answer at once: a job
+    id to follow (Restart, RestartProcess), or a refusal (busy, unknown process) as an error
+    the caller sees. The work itself runs on the loop, in the controller, on the same path as
+    the daemon's own start.
+    """
+
+    def __init__(self, controller: InstanceController, loop: asyncio.AbstractEventLoop) -> None:
+        self.controller = controller
+        self.loop = loop
+
+    def _on_loop(self, fn: Callable[[], Any]) -> Any:
+        async def call() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(timeout=10)
+
+    def process_names(self) -> list[str]:
+        return list(self.controller.instance.processes)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.controller.request_stop)
+
+    def submit(self, verb: str, work: Callable[[], Any]) -> Job:
+        try:
+            return self._on_loop(lambda: self.controller.submit(verb, work))  # type: ignore[no-any-return]
+        except SupervisorError as e:
+            raise Busy(str(e)) from None
+
+    def job(self, job_id: int) -> Job | None:
+        return self._on_loop(lambda: self.controller.jobs.get(job_id))  # type: ignore[no-any-return]
 
 
 def bounded(text: str, limit: int = 64) -> str:
@@ -76,7 +107,6 @@ class InstanceObject:
         self.snapshot = json.dumps({"instance": instance, "state": "starting", "processes": []})
         self.public_snapshot = self.snapshot  # the same without the children's own words
         self.status_text = "starting"
-        self._control_busy = threading.Lock()  # one control call at a time per instance
         self.state = "starting"
         self.emitter: Callable[[str, str, str, str], None] | None = None
 
@@ -87,28 +117,11 @@ class InstanceObject:
         uid = self._caller_uid(sender) if sender else 0
         return uid_may_control(uid, self._group), uid
 
-    def _authorize(self, dbus_context: Any, method: str) -> None:
+    def authorize(self, dbus_context: Any, method: str) -> None:
+        """Called by @export(control=True) before every control method (exports.py)."""
         allowed, uid = self._privileged(dbus_context)
         if not allowed:
             raise AccessDenied(f"{method} needs root or membership of group {self._group!r} (caller uid {uid})")
-
-    def _schedule(self, method: str, coro_fn: Callable[[], Any]) -> None:
-        """Run a control on the daemon's loop; while one runs, the next is refused as busy (50
-        restarts at once would otherwise pile up on one instance)."""
-        if not self._control_busy.acquire(blocking=False):
-            raise Busy(f"{method}: instance {self._instance} is busy with another control call; try again when it is done")
-
-        async def runner() -> None:
-            try:
-                await coro_fn()
-            finally:
-                self._control_busy.release()
-
-        try:
-            asyncio.run_coroutine_threadsafe(runner(), self._loop)
-        except BaseException:
-            self._control_busy.release()
-            raise
 
     # ---------------------------------------------------------------- reads
 
@@ -137,23 +150,32 @@ class InstanceObject:
 
     @export("", "s", control=True)
     def Stop(self, dbus_context: Any = None) -> str:
-        self._authorize(dbus_context, "Stop")
-        self._schedule("Stop", self._controls.stop)
-        return f"stopping {self._instance}"
+        """Stop every process in order; the daemon then exits 0 (its unit goes inactive)."""
+        self._controls.stop()
+        return f"stopping {self._instance}: every process in stop order, then the daemon exits"
 
     @export("", "s", control=True)
     def Restart(self, dbus_context: Any = None) -> str:
-        self._authorize(dbus_context, "Restart")
-        self._schedule("Restart", self._controls.restart)
-        return f"restarting {self._instance}"
+        """Stop, then the whole start path (validation, lock, takeover, rollback). Returns a job
+        as JSON; follow it with GetJob until its state is no longer "running"."""
+        job = self._controls.submit("restart", self._controls.controller.restart)
+        return json.dumps(job.to_json())
 
     @export("s", "s", control=True)
     def RestartProcess(self, name: str, dbus_context: Any = None) -> str:
-        self._authorize(dbus_context, "RestartProcess")
+        """Restart one process (out of its router first, back in once ready). Returns a job as JSON."""
         if name not in self._controls.process_names():
             raise UnknownProcess(f"instance {self._instance} has no process {bounded(name)}")
-        self._schedule("RestartProcess", lambda: self._controls.restart_process(name))
-        return f"restarting {self._instance}/{name}"
+        job = self._controls.submit(f"restart {name}", lambda: self._controls.controller.restart_process(name))
+        return json.dumps(job.to_json())
+
+    @export("u", "s")
+    def GetJob(self, job_id: int, dbus_context: Any = None) -> str:
+        """A job's state ("running", "done", "refused", "failed") and reason, as JSON."""
+        job = self._controls.job(int(job_id))
+        if job is None:
+            raise UnknownJob(f"instance {self._instance} has no job {int(job_id)} (the last 32 are kept)")
+        return json.dumps(job.to_json())
 
     # ---------------------------------------------------------------- properties
 

@@ -10,12 +10,12 @@ whatever process happens to carry that number here.
 from __future__ import annotations
 
 import os
+import pwd
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
-
 from ..ownership.names import Owner, owner_of_cgroup, unit_of_cgroup
+from ..ownership.procfs import fd_targets, is_zombie, read_text, real_uid
 
 CMDLINE_WIDTH = 100  # characters of command line in a one-line description
 UNKNOWN_REASON = "outside this PID namespace"
@@ -125,30 +125,30 @@ def parse_cgroup(text: str) -> str | None:
 
 
 def describe_pid(pid: int) -> Holder:
-    """Look a PID up in this PID namespace; unknown (known=False) when it is not there."""
-    try:
-        proc = psutil.Process(pid)
-    except (psutil.NoSuchProcess, ValueError):
+    """Look a PID up in this PID namespace; unknown (known=False) when it is not there.
+
+    Straight from /proc (no psutil: `gpusupctl gpus` and `status` pay for every import)."""
+    if pid <= 0 or not os.path.isdir(f"/proc/{pid}"):
         return Holder.unknown(pid)
     cgroup = read_cgroup(pid)
+    uid = real_uid(pid)
+    if uid is None:
+        return Holder.unknown(pid)  # exited meanwhile
     try:
-        user: str | None = proc.username()
+        user: str | None = pwd.getpwuid(uid).pw_name
     except KeyError:  # a uid with no passwd entry
-        user = str(proc.uids().real)
-    except psutil.AccessDenied:
-        user = None
-    except psutil.NoSuchProcess:  # exited meanwhile
+        user = str(uid)
+    raw = read_text(pid, "cmdline")
+    if raw is None:
         return Holder.unknown(pid)
+    comm = (read_text(pid, "comm") or "?").strip() or "?"
     cmdline: str | None
-    try:
-        argv = proc.cmdline()
-        cmdline = " ".join(argv) if argv else f"[{proc.name()}]"
-    except psutil.ZombieProcess:
-        cmdline = f"[{_name(proc)}] <defunct>"
-    except psutil.AccessDenied:
-        cmdline = None
-    except psutil.NoSuchProcess:
-        return Holder.unknown(pid)
+    if raw:
+        cmdline = " ".join(raw.rstrip("\0").split("\0"))
+    elif is_zombie(pid):
+        cmdline = f"[{comm}] <defunct>"
+    else:
+        cmdline = f"[{comm}]"  # a kernel thread, or a cmdline we may not read (hidepid): its name
     owner = owner_of_cgroup(cgroup) if cgroup else None
     unit = unit_of_cgroup(cgroup) if cgroup else None
     return Holder(pid, user, cmdline, cgroup, unit, owner, True)
@@ -169,22 +169,4 @@ def describe_gpu_pid(pid: int, pids_local: bool) -> Holder:
 
 
 def _has_nvidia_device_open(pid: int) -> bool:
-    fd_dir = f"/proc/{pid}/fd"
-    try:
-        fds = os.listdir(fd_dir)
-    except OSError:
-        return False
-    for fd in fds:
-        try:
-            if os.readlink(f"{fd_dir}/{fd}").startswith("/dev/nvidia"):
-                return True
-        except OSError:
-            continue
-    return False
-
-
-def _name(proc: psutil.Process) -> str:
-    try:
-        return proc.name()
-    except psutil.Error:
-        return "?"
+    return any(target.startswith("/dev/nvidia") for target in fd_targets(pid))

@@ -19,8 +19,6 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
 ENV_DIR = "SUPERVISORD_GPU_SIMGPU_DIR"
 H200_TOTAL_MIB = 143771
 H200_RESERVED_MIB = 615
@@ -85,6 +83,8 @@ class SimulatedGpus:
     def hold(self, gpus: list[int] | tuple[int, ...], mib: int, pid: int | None = None) -> Path:
         """Record that process `pid` (default: this one) holds `mib` MiB on each of `gpus`."""
         pid = os.getpid() if pid is None else pid
+        import psutil  # only to hold (tests, stand-ins): a reader never pays for the import
+
         create_time = psutil.Process(pid).create_time()
         path = self.directory / "holders" / f"{pid}.json"
         record = {"pid": pid, "create_time": create_time, "gpus": list(gpus), "mib": int(mib)}
@@ -157,6 +157,8 @@ def _alive(pid: int, create_time: float, boot: float | None = None) -> bool:
                     return False
                 return abs(start_ticks / _CLOCK_TICKS + boot - create_time) < 0.01
     try:
+        import psutil  # the rare fallback: not the Linux /proc layout
+
         proc = psutil.Process(pid)
         return abs(proc.create_time() - create_time) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):

@@ -139,10 +139,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_rehearse(args: argparse.Namespace) -> int:
     import asyncio
     import dataclasses
-    import os
-    import tempfile
     import time
-    from pathlib import Path
 
     from ..config.loader import load_daemon_config, load_profile
     from ..config.loader import effective_config
@@ -150,9 +147,12 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     from ..ownership.cgroupfs import cgroup2_mount
     from ..systemd.notify import status_text
 
+    from ..config.trust import secure_directory
+
     cfg = effective_config(load_daemon_config(args.config_dir), True)
-    runtime = tempfile.mkdtemp(prefix="supervisord-gpu-rehearsal-")
-    os.chmod(runtime, 0o755)  # root's, like /run/supervisord-gpu: the stand-ins' user reaches its TMPDIR there
+    # A directory of its own that every other `gpusupctl --rehearsal` finds (config/loader.py),
+    # root's and 0755 like /run/supervisord-gpu: the stand-ins' user reaches its TMPDIR there.
+    runtime = secure_directory(cfg.runtime_dir)
     rehearsal = cfg.rehearsal
     if args.startup is not None:
         rehearsal = dataclasses.replace(rehearsal, server_startup_s=max(0.0, args.startup))
@@ -161,7 +161,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     if cgroup_root is None and mount is not None:
         cgroup_root = str(mount / "supervisord-gpu-rehearsal" / "supervisord-gpu")
     ownership = cfg.ownership if cfg.ownership != "systemd" else "auto"
-    cfg = dataclasses.replace(cfg, runtime_dir=Path(runtime), cache_dir=Path(runtime) / "cache", rehearsal=rehearsal,
+    cfg = dataclasses.replace(cfg, cache_dir=runtime / "cache", rehearsal=rehearsal,
                               cgroup_root=cgroup_root, ownership=ownership)
     profile = load_profile(cfg, args.name)
     t0 = time.monotonic()
@@ -187,13 +187,31 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
 
     opts = RunOptions(rehearsal=True, force_stderr=True, on_ready=on_ready, stop_after_ready=not args.hold,
                       listeners=[show], quiet_children=not args.verbose)
-    code = asyncio.run(serve(cfg, profile, opts))
-    if code == 0:
-        code = _verify_clear(cfg, profile)
+    try:
+        code = asyncio.run(serve(cfg, profile, opts))
+        if code == 0:
+            code = _verify_clear(cfg, profile)
+    finally:
+        _forget_rehearsal(runtime)
+    return code
+
+
+def _forget_rehearsal(runtime) -> None:  # type: ignore[no-untyped-def]
+    """The last rehearsal to end removes its state (simulated GPUs, private TMPDIRs): nothing of
+    a rehearsal stays behind, even a failed one. The compile cache stays: it is a cache."""
     import shutil
 
-    shutil.rmtree(runtime, ignore_errors=True)
-    return code
+    from ..controller import registry
+
+    if registry.running(runtime):
+        return  # another rehearsal still runs on these simulated GPUs
+    for entry in runtime.iterdir():
+        if entry.name == "cache":
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 def _demo_generate(url: str) -> str:
@@ -210,7 +228,7 @@ def _demo_generate(url: str) -> str:
 
 def _verify_clear(cfg, profile) -> int:  # type: ignore[no-untyped-def]
     from ..checks.preconditions import check
-    from ..preflight import inventory_for, requirement_for
+    from ..controller.preflight import inventory_for, requirement_for
 
     report = check(requirement_for(profile), inventory_for(cfg, True))
     if report.ok:
@@ -228,10 +246,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     from ..config.loader import load_daemon_config, load_profile
     from ..config.loader import effective_config
     from ..errors import EXIT_PRECONDITIONS
-    from ..preflight import inventory_for, raise_for_missing, requirement_for
+    from ..controller.preflight import inventory_for, raise_for_missing, requirement_for, validate
 
     cfg = effective_config(load_daemon_config(args.config_dir), args.rehearsal)
     profile = load_profile(cfg, args.name)
+    validate(profile, cfg)  # exactly what the daemon validates before it touches anything
     report = check(requirement_for(profile), inventory_for(cfg, cfg.rehearsal.enabled))
     raise_for_missing(profile, report)
     if args.json:
@@ -250,7 +269,7 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     from ..checks.preconditions import render_gpu_table
     from ..config.loader import load_daemon_config
     from ..config.loader import effective_config
-    from ..preflight import inventory_for
+    from ..controller.preflight import inventory_for
 
     cfg = effective_config(load_daemon_config(args.config_dir), args.rehearsal)
     inventory = inventory_for(cfg, cfg.rehearsal.enabled)
@@ -284,62 +303,84 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_unit(args: argparse.Namespace) -> int:
-    from ..bus.client import SystemdClient, connect, follow
     from ..config.loader import INSTANCE_NAME_RE
     from ..errors import UsageError
 
     if not INSTANCE_NAME_RE.match(args.name):
         raise UsageError(f"{args.name!r} is not a valid instance name")
-    bus = connect()
-    if not args.wait:
-        getattr(SystemdClient(bus), args.command)(args.name)
-        print(f"{args.command} of dsv4@{args.name}.service queued")
+    return _run_unit_job(args.command, args.name, args.wait, args.timeout)
+
+
+def _run_unit_job(verb: str, name: str, wait: bool, timeout: float) -> int:
+    """Queue systemd's job for dsv4@NAME, or (--wait) follow it to its end: for start and restart
+    that is the new daemon's READY=1 (or its failure), for stop the unit inactive."""
+    from ..bus.client import follow
+    from ..ownership.names import service_name
+    from ..systemd.manager import Systemd
+
+    unit = service_name(name)
+    method = {"start": "StartUnit", "stop": "StopUnit", "restart": "RestartUnit"}[verb]
+    if not wait:
+        Systemd().queue(method, unit)
+        print(f"{verb} of {unit} queued; follow it with: gpusupctl status {name}")
         return 0
-    final = follow(bus, args.name, args.command, args.timeout, print)
-    want = "inactive" if args.command == "stop" else "active"
-    print(f"dsv4@{args.name}.service: {final}")
-    return 0 if final == want else 1
+    result, active = follow(name, verb, timeout, print)
+    want = "inactive" if verb == "stop" else "active"
+    if result == "done" and active == want:
+        print(f"{unit}: {active}")
+        return 0
+    why = _final_status(unit)
+    waited = f"gave up waiting after {timeout:g} s" if result == "timeout-waiting" else f"job {result}"
+    print(f"{unit}: {active} ({waited})" + (f": {why}" if why else ""))
+    return 1
+
+
+def _final_status(unit: str) -> str:
+    """The unit's last STATUS= (the daemon's reason: the holder, the rollback, who took over)."""
+    from ..errors import SupervisorError
+    from ..systemd.manager import SERVICE, Systemd
+
+    try:
+        systemd = Systemd()
+        path = systemd.unit_path(unit)
+        return str(systemd.get(path, SERVICE, "StatusText")) if path else ""
+    except (SupervisorError, LookupError):
+        return ""
 
 
 def cmd_switch(args: argparse.Namespace) -> int:
     """The same transition `systemctl start dsv4@TO` performs; the daemon of TO does the work."""
-    from ..bus.client import SystemdClient, connect, follow
     from ..config.loader import load_daemon_config, load_profile
-    from ..errors import BusError, UsageError
-    from ..preflight import validate_in_full
-    from ..transition import find_conflicts, make_plan
+    from ..controller.preflight import validate
+    from ..controller.takeover import find_conflicts, make_plan
+    from ..errors import BusError, PreconditionError, UsageError
+    from ..systemd.manager import Systemd
 
     cfg = load_daemon_config(args.config_dir)
     profile = load_profile(cfg, args.to)
-    how = validate_in_full(profile, cfg)  # a profile that would fail stops here, before anything is touched
+    # A profile that would fail stops here, before anything is touched; a dry run still shows
+    # the plan on a machine without the model (a missing path is then a warning).
+    how = validate(profile, cfg, warn=(lambda m: print(m, file=sys.stderr)) if args.dry_run else None)
     try:
-        bus = connect()
+        Systemd()
         systemd = True
     except BusError:
-        bus, systemd = None, False
+        systemd = False
     conflicts = find_conflicts(profile, cfg, use_systemd=systemd)
     if args.from_ and args.from_ not in {c.instance for c in conflicts}:
         raise UsageError(f"dsv4@{args.from_} is not running or holds none of the GPUs and ports {args.to} needs")
     if not profile.takeover and conflicts:
-        from ..errors import PreconditionError
-
         raise PreconditionError("takeover = false in the profile and "
                                 + "; ".join(f"{c.describe()} is running" for c in conflicts))
     plan = make_plan(profile, cfg, conflicts, how)
     if args.dry_run:
         print(plan.render())
         return 0
-    if bus is None:
+    if not systemd:
         raise BusError("switch needs systemd over D-Bus; without systemd, run `supervisord-gpu run "
                        f"{args.to}`: it takes over instances registered in {cfg.runtime_dir}")
     print(plan.render())
-    if not args.wait:
-        SystemdClient(bus).start(args.to)
-        print(f"start of dsv4@{args.to}.service queued; follow it with: gpusupctl status {args.to}")
-        return 0
-    final = follow(bus, args.to, "start", args.timeout, print)
-    print(f"dsv4@{args.to}.service: {final}")
-    return 0 if final == "active" else 1
+    return _run_unit_job("start", args.to, args.wait, args.timeout)
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

@@ -27,11 +27,12 @@ def collect(config_dir: str | None, only: str | None = None) -> dict[str, Any]:
     units: dict[str, Any] = {}
     bus = None
     try:
-        from ..bus.client import SystemdClient, connect
+        from ..systemd.manager import Systemd
 
-        bus = connect()
-        for u in SystemdClient(bus).units():
+        systemd = Systemd()
+        for u in systemd.instances():
             units[u.instance] = u
+        bus = systemd.con
     except SupervisorError as e:
         notes.append(f"{e}; instance states unknown")
         bus = None
@@ -47,7 +48,11 @@ def collect(config_dir: str | None, only: str | None = None) -> dict[str, Any]:
             "active_state": unit.active if unit else ("unknown" if bus is None else "inactive"),
             "sub_state": unit.sub if unit else "",
             "since": (unit.since_us / 1e6) if unit and unit.since_us else None,
-            "status_text": unit.status_text if unit else "",
+            # StatusText outlives the daemon that sent it: while systemd waits to restart a crashed
+            # daemon (sub-state auto-restart) it is the dead one's last word, not the current state.
+            "status_text": unit.status_text if unit and unit.main_pid else "",
+            "last_status_text": unit.status_text if unit and not unit.main_pid else "",
+            "main_pid": unit.main_pid if unit else 0,
             "result": unit.result if unit else "",
             "profile_exists": name in profiles,
             "daemon": None,
@@ -66,7 +71,7 @@ def collect(config_dir: str | None, only: str | None = None) -> dict[str, Any]:
     gpus = None
     try:
         from ..checks.holders import describe_gpu_pid
-        from ..preflight import inventory_for
+        from ..controller.preflight import inventory_for
 
         if cfg is not None:
             inv = inventory_for(cfg, cfg.rehearsal.enabled)
@@ -119,15 +124,23 @@ def render(data: dict[str, Any], colour: bool | None = None) -> str:
     for inst in data["instances"]:
         state = inst["active_state"]
         daemon = inst["daemon"]
+        sub = inst.get("sub_state") or ""
         shown = daemon["state"] if daemon else state
+        if sub and sub not in ("running", "dead", "exited", "failed", "start", shown):
+            shown = f"{shown} ({sub})"  # e.g. "activating (auto-restart)", "deactivating (stop-sigterm)"
         up = f"  {'up' if state == 'active' else 'since'} {_ago(now - inst['since'])}" if inst["since"] else ""
-        head = f"{inst['unit']:<28} {c(shown):<10}{up}"
+        head = f"{inst['unit']:<28} {c(shown, daemon['state'] if daemon else state):<10}{up}"
         lines.append(head)
         text = inst["status_text"] or (daemon or {}).get("reason", "")
+        last = inst.get("last_status_text", "")
+        if not text and last and state in ("failed", "inactive"):
+            text, last = last, ""  # the finished daemon's final word is the reason it finished
         if state == "failed" and inst["result"]:
             text = f"{text} (result: {inst['result']})".strip()
         if text:
             lines.append(f"  {text[:76]}")
+        elif last:
+            lines.append(f"  last status (daemon gone): {last[:49]}")
         if daemon:
             lines.append(f"  {'PROCESS':<9}{'ROLE':<8}{'PID':>8} {'PORT':>6} {'GPUS':<6}{'PHASE':<20}{'RST':>3}  HEALTH")
             for p in daemon["processes"]:

@@ -205,12 +205,30 @@ def _nonempty_str(path: Path):  # type: ignore[no-untyped-def]
 
 
 def effective_config(cfg: DaemonConfig, rehearsal: bool) -> DaemonConfig:
-    """The config with rehearsal switched on when a command asks for it (`--rehearsal`, `rehearse`)."""
+    """The config with rehearsal switched on when a command asks for it (`--rehearsal`, `rehearse`).
+
+    A rehearsal switched on that way keeps its state (simulated GPUs, instance records, the
+    transition lock) in a directory of its own, `rehearsal_runtime_dir`: every `gpusupctl
+    ... --rehearsal` in another shell sees the same simulated GPUs, and a rehearsal never
+    finds, let alone takes over, the production instances recorded in the runtime directory.
+    """
     import dataclasses
 
     if rehearsal and not cfg.rehearsal.enabled:
-        return dataclasses.replace(cfg, rehearsal=dataclasses.replace(cfg.rehearsal, enabled=True))
+        return dataclasses.replace(cfg, rehearsal=dataclasses.replace(cfg.rehearsal, enabled=True),
+                                   runtime_dir=rehearsal_runtime_dir(cfg))
     return cfg
+
+
+def rehearsal_runtime_dir(cfg: DaemonConfig) -> Path:
+    """`<runtime_dir>/rehearsal` for root; for anyone else their own `$XDG_RUNTIME_DIR`
+    (/run/user/UID), else `/tmp/supervisord-gpu-rehearsal-UID` (refused if someone else made it)."""
+    if os.geteuid() == 0:
+        return cfg.runtime_dir / "rehearsal"
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        return Path(xdg) / "supervisord-gpu-rehearsal"
+    return Path(f"/tmp/supervisord-gpu-rehearsal-{os.geteuid()}")
 
 
 # ----------------------------------------------------------------------------- profiles

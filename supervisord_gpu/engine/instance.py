@@ -79,6 +79,8 @@ class Instance:
             self.processes[launch.spec.name] = proc
         self._restart_tasks: dict[str, asyncio.Task[None]] = {}
         self._start_abort: asyncio.Event | None = None
+        #: why a start was cancelled ("stopped while starting: pd-1p1d is taking over"), set by who cancels it
+        self.cancel_reason = ""
         self._start_failure: StartError | None = None
         self._lock = asyncio.Lock()
         self.failed = asyncio.Event()  # set when the instance gives up (restart limit)
@@ -116,11 +118,18 @@ class Instance:
 
     # ------------------------------------------------------------------ start
 
+    def fail(self, reason: str) -> None:
+        """The instance failed for `reason` (one line, our words): STATUS= and every reader say so."""
+        self.transition = ""
+        self._set_state(State.FAILED, reason.splitlines()[0] if reason else "failed")
+
     async def start(self, preflight: Preflight | None = None) -> None:
-        """Bring every process to ready, or leave nothing running and raise."""
+        """Bring every process to ready, or leave nothing running and raise. Cancelled (told to
+        stop while starting), it stops what it started and says so: "stopped while starting"."""
         async with self._lock:
             began = time.monotonic()
             self.started_at = time.time()
+            self.cancel_reason = ""
             self._set_state(State.STARTING, "checking")
             try:
                 cleaned = await self.owner.reclaim_leftovers(self.name, self.leftovers, list(self.processes))
@@ -129,18 +138,30 @@ class Instance:
                     self.sink.event(f"cleaned leftover cgroup of a previous run: {item}", 4, GPUSUP_EVENT="leftover")
                 if preflight is not None:
                     await preflight()
-            except SupervisorError as e:
-                self._set_state(State.FAILED, str(e))
+            except SupervisorError as e:  # refused before anything ran: said once, here
+                self.sink.event(str(e), 3, GPUSUP_EVENT="start-refused")
+                self.fail(str(e))
+                raise
+            except asyncio.CancelledError:
+                self._stopped_while_starting()
                 raise
             self._set_state(State.STARTING)
             try:
                 await self._start_all()
+            except asyncio.CancelledError:
+                await self._stop_all()
+                self._stopped_while_starting()
+                raise
             except BaseException as e:
                 e = first_cause(e)
-                reason = str(e) if isinstance(e, SupervisorError) else f"start-up interrupted ({e.__class__.__name__})"
+                if isinstance(e, asyncio.CancelledError):
+                    await self._stop_all()
+                    self._stopped_while_starting()
+                    raise
+                reason = str(e) if isinstance(e, SupervisorError) else f"start-up interrupted: {e.__class__.__name__}: {e}"
                 self.sink.event(f"start failed, stopping what was started: {reason}", 3, GPUSUP_EVENT="start-failed")
                 await self._stop_all()
-                self._set_state(State.FAILED, reason.splitlines()[0])
+                self.fail(reason)
                 if isinstance(e, SupervisorError):
                     raise e from None
                 raise StartError(reason) from e
@@ -184,6 +205,12 @@ class Instance:
             tg.create_task(watch())
             for spec in self.profile.processes:
                 tg.create_task(bring_up(self.processes[spec.name]))
+
+    def _stopped_while_starting(self) -> None:
+        why = self.cancel_reason or "stopped while starting"
+        self.sink.event(f"{why}; what had started is stopped", 4, GPUSUP_EVENT="stopped-while-starting")
+        self.transition = ""
+        self._set_state(State.STOPPED, why)
 
     # ------------------------------------------------------------------ stop
 

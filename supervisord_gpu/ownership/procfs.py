@@ -31,3 +31,28 @@ def all_pids() -> Iterator[int]:
     for name in os.listdir("/proc"):
         if name.isdigit():
             yield int(name)
+
+
+def read_text(pid: int, name: str) -> str | None:
+    """/proc/PID/<name>, or None when the process is gone ("" when we may not read it)."""
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as f:
+            return f.read().decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError:
+        return ""
+
+
+def real_uid(pid: int) -> int | None:
+    """The real uid from /proc/PID/status (readable for any PID this process can see)."""
+    status = read_text(pid, "status")
+    for line in (status or "").splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])
+    return None
+
+
+def is_zombie(pid: int) -> bool:
+    stat = read_text(pid, "stat") or ""
+    return stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] == "Z" if ")" in stat else False

@@ -23,7 +23,8 @@ import signal
 import time
 from collections.abc import Sequence
 
-from ..errors import OwnershipError
+from ..errors import BusError, OperationFailed, OwnershipError, PermissionDenied
+from ..systemd.manager import UNIT, Systemd
 from .base import OwnershipDriver, ProcessGroup
 from .cgroupfs import CgroupDir, cgroup2_mount
 from .names import scope_name, service_name
@@ -51,7 +52,7 @@ def _own_service_and_slice() -> tuple[str | None, str | None]:
 
 
 class ScopeGroup(ProcessGroup):
-    """A transient scope: killed through systemd, watched through its cgroup.events."""
+    """A transient scope: killed through its cgroup (or systemd), watched through its cgroup.events."""
 
     def __init__(self, driver: SystemdDriver, unit: str, process: str) -> None:
         self.driver = driver
@@ -72,11 +73,24 @@ class ScopeGroup(ProcessGroup):
         return self._dir.populated() if self._dir else False
 
     def kill_all(self, sig: int = signal.SIGKILL) -> None:
+        """Through systemd's KillUnit, sent from a worker thread so that the event loop never waits
+        on a D-Bus round trip. (Not the scope's cgroup.kill: under the unit's sandbox the cgroup
+        tree outside our own service is read-only, ProtectSystem=strict.) Callers then wait for
+        the cgroup to empty, which is the only proof that counts."""
         try:
-            self.driver.manager.KillUnit(self.unit, "all", int(sig))
-        except Exception:
-            if self._dir is not None:  # the unit is already gone: its cgroup, if any, directly
-                self._dir.kill_all(sig)
+            asyncio.get_running_loop().run_in_executor(None, self._kill_unit, sig)
+        except RuntimeError:  # no loop (a test, a teardown): directly
+            self._kill_unit(sig)
+
+    def _kill_unit(self, sig: int) -> None:
+        try:
+            self.driver.systemd.kill(self.unit, sig)
+        except (OperationFailed, PermissionDenied, LookupError):
+            if self._dir is not None:  # the unit is already gone: its cgroup, if any and if we may
+                try:
+                    self._dir.kill_all(sig)
+                except OSError:
+                    pass
 
     async def wait_empty(self, timeout: float | None) -> bool:
         if self._dir is None:
@@ -85,49 +99,37 @@ class ScopeGroup(ProcessGroup):
 
     async def release(self) -> None:
         # An empty scope stops by itself; reset a failed one so the name can be reused.
-        await asyncio.to_thread(self.driver.reset_failed, self.unit)
+        await asyncio.to_thread(self.driver.systemd.reset_failed, self.unit)
 
 
 class SystemdDriver(OwnershipDriver):
     name = "systemd"
 
-    def __init__(self, instance: str, bus=None) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, instance: str, systemd: Systemd | None = None) -> None:
         mount = cgroup2_mount()
         if mount is None:
             raise OwnershipError("no cgroup v2 hierarchy is mounted")
         self.mount = mount
         self.instance = instance
         try:
-            if bus is None:
-                from pydbus import SystemBus
-
-                bus = SystemBus()
-            self.bus = bus
-            self.manager = bus.get("org.freedesktop.systemd1", "/org/freedesktop/systemd1")
-        except Exception as e:
+            self.systemd = systemd if systemd is not None else Systemd()
+        except BusError as e:
             raise OwnershipError(f"cannot reach systemd over D-Bus: {e}") from e
         own_service, own_slice = _own_service_and_slice()
         self.service = own_service or service_name(instance)
         self.slice = own_slice
-
-    def reset_failed(self, unit: str) -> None:
-        try:
-            self.manager.ResetFailedUnit(unit)
-        except Exception:
-            pass  # not failed, or already collected
 
     def _scopes_of(self, instance: str, processes: Sequence[str]) -> list[tuple[str, str]]:
         """(name, active state) of the scopes we would create for `processes`, by exact name, and
         only those bound to our service: never a pattern (dsv4-tp4-*.scope also matches tp4-512k's)."""
         names = [scope_name(instance, p) for p in processes]
         out = []
-        for unit in self.manager.ListUnitsByNames(names):
-            name, active, path = unit[0], unit[3], unit[6]
-            if name not in names or unit[2] == "not-found":
+        for name, load, active, path in self.systemd.units_named(names):
+            if name not in names or load == "not-found":
                 continue
             try:
-                binds = list(self.bus.get("org.freedesktop.systemd1", path).BindsTo)
-            except Exception:
+                binds = list(self.systemd.get(path, UNIT, "BindsTo"))
+            except (OperationFailed, LookupError):
                 continue  # gone meanwhile
             if self.service in binds:
                 out.append((name, active))
@@ -137,28 +139,24 @@ class SystemdDriver(OwnershipDriver):
         cleaned = []
         for unit, active in await asyncio.to_thread(self._scopes_of, instance, processes):
             if active not in ("active", "activating", "deactivating"):
-                await asyncio.to_thread(self.reset_failed, unit)
+                await asyncio.to_thread(self.systemd.reset_failed, unit)
                 continue
             if policy == "refuse":
                 raise OwnershipError(f"scope {unit} of a previous run is still {active}; stop it (systemctl stop {unit}) or set leftovers = \"clean\"")
-            await asyncio.to_thread(self.manager.KillUnit, unit, "all", int(signal.SIGKILL))
-            await asyncio.to_thread(self._stop_and_wait, unit)
+            await asyncio.to_thread(self._kill_and_forget, unit)
             cleaned.append(unit)
         return cleaned
 
-    def _stop_and_wait(self, unit: str) -> None:
+    def _kill_and_forget(self, unit: str) -> None:
+        """SIGKILL a scope of ours, wait for systemd's JobRemoved of its stop, clear a failed state."""
         try:
-            self.manager.StopUnit(unit, "replace")
-        except Exception:
-            return
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                path = self.manager.GetUnit(unit)
-            except Exception:
-                return  # collected
-            del path
-            time.sleep(0.01)
+            self.systemd.kill(unit, signal.SIGKILL)
+        except (OperationFailed, LookupError):
+            pass
+        try:
+            self.systemd.stop_and_forget(unit, timeout=10.0)
+        except (OperationFailed, LookupError):
+            pass
 
     async def _create_group(self, instance: str, process: str) -> ProcessGroup:
         unit = scope_name(instance, process)
@@ -167,16 +165,9 @@ class SystemdDriver(OwnershipDriver):
 
     def _clear_name(self, unit: str) -> None:
         """A scope of that name from an earlier start must be gone before we reuse the name."""
-        try:
-            self.manager.GetUnit(unit)
-        except Exception:
+        if self.systemd.unit_path(unit) is None:
             return
-        try:
-            self.manager.KillUnit(unit, "all", int(signal.SIGKILL))
-        except Exception:
-            pass
-        self._stop_and_wait(unit)
-        self.reset_failed(unit)
+        self._kill_and_forget(unit)
 
     async def _adopt(self, group: ProcessGroup, pid: int) -> ProcessGroup:
         assert isinstance(group, ScopeGroup)
@@ -197,16 +188,20 @@ class SystemdDriver(OwnershipDriver):
         if self.slice:
             props.append(("Slice", GLib.Variant("s", self.slice)))
         try:
-            await asyncio.to_thread(self.manager.StartTransientUnit, group.unit, "fail", props, [])
-        except Exception as e:
+            job = await asyncio.to_thread(self.systemd.start_transient, group.unit, props, ADOPT_TIMEOUT_S)
+        except (OperationFailed, PermissionDenied) as e:
             raise OwnershipError(f"systemd refused scope {group.unit}: {e}") from e
+        if not job.done:
+            raise OwnershipError(f"systemd's start of scope {group.unit} ended {job.result!r}")
+        # The job is done, so systemd has moved the PID (the child waits at the gate meanwhile).
+        # The short re-read covers a cgroup write that lags the job on a loaded machine.
         suffix = "/" + group.unit
-        deadline = time.monotonic() + ADOPT_TIMEOUT_S
-        while True:  # the start job is quick; the child is held at the gate meanwhile
+        deadline = time.monotonic() + 1.0
+        while True:
             cg = _pid_cgroup(pid)
             if cg and cg.endswith(suffix):
                 group.bind(cg)
                 return group
             if time.monotonic() > deadline:
                 raise OwnershipError(f"pid {pid} did not move into {group.unit} (still in {cg})")
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(0.005)

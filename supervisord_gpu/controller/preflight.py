@@ -3,7 +3,7 @@
 Everything that can fail is checked before anything running is touched. A GPU index the
 machine lacks is a configuration error pointing at the profile key; a foreign holder stops
 the start with its PID and command line; instances of ours in the way are taken over (when
-the profile allows) by transition.py, then the GPUs and ports are verified clear.
+the profile allows) by takeover.py, then the GPUs and ports are verified clear.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from .checks.gpus import GpuInventory, open_inventory
-from .checks.preconditions import PreconditionReport, Requirement, check, wait_until_clear
-from .config.model import DaemonConfig, Profile
-from .errors import ConfigError, PreconditionError
+from ..checks.gpus import GpuInventory, open_inventory
+from ..checks.preconditions import PreconditionReport, Requirement, check, wait_until_clear
+from ..config.model import DaemonConfig, Profile
+from ..errors import ConfigError, PreconditionError
 
 
 def requirement_for(profile: Profile) -> Requirement:
@@ -26,7 +26,7 @@ def requirement_for(profile: Profile) -> Requirement:
 
 def inventory_for(cfg: DaemonConfig, rehearsal: bool) -> GpuInventory:
     if rehearsal or cfg.gpus.backend == "simulated":
-        from .rehearsal.setup import prepare
+        from ..rehearsal.setup import prepare
 
         sim, _ = prepare(cfg)
         return open_inventory("simulated", simgpu_dir=str(sim.directory), tolerance_mib=cfg.gpus.idle_tolerance_mib)
@@ -47,10 +47,19 @@ def raise_for_missing(profile: Profile, report: PreconditionReport) -> None:
                 )
 
 
-def validate_in_full(profile: Profile, cfg: DaemonConfig) -> str:
-    """Flags against the SGLang that will run, model paths; returns how the flags were checked."""
-    from .sglang.flags import check_profile_flags
+def validate(profile: Profile, cfg: DaemonConfig, warn: Callable[[str], None] | None = None) -> str:
+    """Everything about a profile that can be known before anything runs, exactly as the daemon
+    checks it before a start (so `gpusupctl check` and `switch --dry-run` say what it will say):
+    its rendered command lines and users, every SGLang option against the SGLang that will run,
+    the model paths. Returns how the options were checked.
 
+    With `warn` (a dry run), a model path that does not exist here is a warning, not an error:
+    the plan is still worth seeing on a machine without the model.
+    """
+    from ..config.render import render
+    from ..sglang.flags import check_profile_flags
+
+    render(profile, cfg)  # users exist; each flag the profile manages appears once
     checks = check_profile_flags(profile, use_real=False if cfg.rehearsal.enabled else None)
     for c in checks:
         if not c.ok:
@@ -58,7 +67,10 @@ def validate_in_full(profile: Profile, cfg: DaemonConfig) -> str:
     if not cfg.rehearsal.enabled:
         for spec in profile.processes:
             if spec.model_path and not os.path.exists(spec.model_path):
-                raise ConfigError(profile.path, f"servers.{spec.name}.model_path", f"{spec.model_path} does not exist")
+                error = ConfigError(profile.path, f"servers.{spec.name}.model_path", f"{spec.model_path} does not exist")
+                if warn is None:
+                    raise error
+                warn(f"warning: {error}")
     return checks[0].how if checks else "no servers"
 
 
@@ -70,7 +82,7 @@ def blocking_problems(report: PreconditionReport, conflicts: list) -> list[str]:
     namespace) on a GPU a conflicting instance uses is expected to clear with it; the wait
     after the takeover verifies that, and names the holders if it does not happen.
     """
-    from .checks.preconditions import _gpu_problem
+    from ..checks.preconditions import _gpu_problem
 
     ours = {c.instance for c in conflicts}
     their_gpus = {g for c in conflicts for g in c.gpus}
@@ -112,9 +124,9 @@ async def prepare_start(profile: Profile, cfg: DaemonConfig, inventory: GpuInven
     """
     import asyncio
 
-    from . import transition
+    from . import takeover as transition
 
-    how = await asyncio.to_thread(validate_in_full, profile, cfg)
+    how = await asyncio.to_thread(validate, profile, cfg)
     report = await check_profile(profile, inventory)
     conflicts = await asyncio.to_thread(transition.find_conflicts, profile, cfg)
     foreign = blocking_problems(report, conflicts)
@@ -140,9 +152,3 @@ async def prepare_start(profile: Profile, cfg: DaemonConfig, inventory: GpuInven
                                on_progress=lambda r: progress("still held: " + "; ".join(r.problems())[:200]))
         say(f"GPUs {sorted(profile.gpus)} verified idle and ports free in {loop.time() - began:.3f} s", 6)
     return stopped
-
-
-async def refuse_unless_clear(profile: Profile, inventory: GpuInventory) -> None:
-    report = await check_profile(profile, inventory)
-    if not report.ok:
-        raise PreconditionError("refusing to start: " + "; ".join(report.problems()))

@@ -11,22 +11,17 @@ time per machine (a lock in the runtime directory); a failed start brings the ol
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import os
 import signal
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from collections.abc import Callable
 
-from .config.loader import load_profile
-from .config.model import DaemonConfig, Profile
-from .config.trust import open_nofollow, secure_directory
-from .errors import ConfigError, PreconditionError, SupervisorError
-from .ownership import under_systemd_service
+from ..config.loader import load_profile
+from ..config.model import DaemonConfig, Profile
+from ..errors import ConfigError, PreconditionError, SupervisorError
+from ..ownership import under_systemd_service
+from ..ownership.names import service_name
 from . import registry
-
-LOCK_WAIT_S = 30.0
 
 
 @dataclass
@@ -74,10 +69,9 @@ class Plan:
 def _active_units() -> dict[str, str]:
     """Active dsv4@ instances according to systemd, or {} without it."""
     try:
-        from .bus.client import SystemdClient, connect
+        from ..systemd.manager import Systemd
 
-        return {u.instance: u.active for u in SystemdClient(connect()).units()
-                if u.active in ("active", "activating", "reloading")}
+        return {u.instance: u.active for u in Systemd().instances() if u.active in ("active", "activating", "reloading")}
     except SupervisorError:
         return {}
 
@@ -141,45 +135,6 @@ def make_plan(profile: Profile, cfg: DaemonConfig, conflicts: list[Conflict], fl
 # ----------------------------------------------------------------------------- doing it
 
 
-class TransitionLock:
-    """One transition at a time on this machine: an flock in the runtime directory."""
-
-    def __init__(self, runtime: Path, owner: str) -> None:
-        self.runtime = runtime
-        self.path = runtime / "transition.lock"
-        self.owner = owner
-        self.fd: int | None = None
-
-    async def acquire(self, wait_s: float = LOCK_WAIT_S) -> None:
-        # In a root-owned 0755 directory, never through a planted symlink (config/trust.py).
-        secure_directory(self.runtime)
-        try:
-            fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise PreconditionError(f"refusing to start: cannot open the transition lock {self.path} ({e.strerror}): "
-                                    "it must be a regular file of root's, not a link") from None
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another instance"
-                    os.close(fd)
-                    raise PreconditionError(
-                        f"refusing to start: a transition by {holder} is in progress (waited {wait_s:g} s)") from None
-                await asyncio.sleep(0.1)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{self.owner} (pid {os.getpid()})".encode(), 0)
-        self.fd = fd
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
 async def stop_instance(conflict: Conflict, cfg: DaemonConfig, timeout: float) -> float:
     """Stop one instance and wait until it is gone; returns seconds taken."""
     began = time.monotonic()
@@ -212,18 +167,14 @@ async def _signal_recorded_daemon(conflict: Conflict, cfg: DaemonConfig, timeout
 
 
 def _systemd_stop_and_wait(instance: str, timeout: float) -> None:
-    from .bus.client import SystemdClient, connect
-    from .ownership.names import service_name
+    """StopUnit, then systemd's own JobRemoved for that job: the unit is inactive when it comes."""
+    from ..systemd.manager import Systemd
 
-    sd = SystemdClient(connect())
-    sd.stop(instance)
-    path = sd.manager.GetUnit(service_name(instance))
-    unit = sd.bus.get("org.freedesktop.systemd1", path)
-    deadline = time.monotonic() + timeout
-    while str(unit.ActiveState) not in ("inactive", "failed"):
-        if time.monotonic() > deadline:
-            raise PreconditionError(f"refusing to start: dsv4@{instance} did not stop within {timeout:g} s")
-        time.sleep(0.02)
+    job = Systemd().stop(service_name(instance), timeout=timeout)
+    if job.result == "timeout-waiting":
+        raise PreconditionError(f"refusing to start: dsv4@{instance} did not stop within {timeout:g} s")
+    if not job.done:
+        raise PreconditionError(f"refusing to start: stopping dsv4@{instance} ended {job.result!r}")
 
 
 async def _wait_pid_exit(pid: int, timeout: float) -> None:
@@ -244,12 +195,10 @@ async def _wait_pid_exit(pid: int, timeout: float) -> None:
 
 
 def start_instance(conflict: Conflict) -> None:
-    """Rollback: bring an instance we stopped back (only possible through systemd)."""
+    """Rollback: bring an instance we stopped back (only possible through systemd). Queued, not
+    waited for: its start takes the transition lock we hold, so it runs once we have let go."""
     if conflict.via != "systemd":
         raise SupervisorError(f"cannot restart dsv4@{conflict.instance}: it was not run by systemd")
-    from .bus.client import SystemdClient, connect
+    from ..systemd.manager import Systemd
 
-    SystemdClient(connect()).start(conflict.instance)
-
-
-ProgressFn = Callable[[str], None]
+    Systemd().queue("StartUnit", service_name(conflict.instance))

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import psutil
 
-from .checks.holders import read_cgroup
-from .config.model import Profile
-from .config.trust import open_nofollow, read_trusted, secure_directory
+from ..checks.holders import read_cgroup
+from ..config.model import Profile
+from ..config.trust import open_nofollow, read_trusted, secure_directory
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""The controller: one lifecycle behind every verb (see controller.py)."""

@@ -1,0 +1,239 @@
+"""The controller: one object per instance that implements every verb, on one path.
+
+    start            validate -> take the transition lock -> stop what holds our GPUs and ports
+                     (takeover.py) -> verify them clear (preflight.py) -> start every process in
+                     order (engine) -> on failure after a takeover, roll the old ones back
+    stop             every process in stop order
+    restart          stop, then the very same start path (validation, lock, takeover, rollback)
+    restart_process  one process alone, taken out of its router first (engine)
+    run              the daemon's life: start, serve until told to stop or until the instance
+                     gives up, stop; the exit status says which
+
+The daemon (systemd's ExecStart), the D-Bus object and `gpusupctl rehearse` are thin callers:
+they translate signals, method calls and command lines into these methods and report the
+Outcome. D-Bus calls that take longer than a bus call may become Jobs their caller follows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ..checks.gpus import GpuInventory
+from ..config.model import DaemonConfig, Profile
+from ..engine.instance import Instance, Preflight
+from ..engine.states import State
+from ..errors import EXIT_GAVE_UP, EXIT_OK, PreconditionError, SupervisorError, TakeoverFailed
+from . import takeover
+from .lock import TransitionLock
+from .outcome import Job, Outcome
+from .preflight import prepare_start
+
+#: (message, syslog priority, GPUSUP_EVENT=) to the journal: "transition", "rollback", "job"
+Say = Callable[[str, int, str], None]
+
+
+class InstanceController:
+    """Owns one instance's lifecycle; see the module docstring for the verbs."""
+
+    def __init__(self, cfg: DaemonConfig, profile: Profile, instance: Instance, inventory: GpuInventory,
+                 say: Say, on_transition: Callable[[float, str, str, str], None] | None = None,
+                 wrap_preflight: Callable[[Preflight], Preflight] | None = None) -> None:
+        self.cfg = cfg
+        self.profile = profile
+        self.instance = instance
+        self.inventory = inventory
+        self.say = say
+        self.on_transition = on_transition or (lambda _s, _f, _t, _o: None)
+        self.wrap_preflight = wrap_preflight or (lambda preflight: preflight)  # metrics count refusals
+        self.lock = TransitionLock(cfg.runtime_dir, profile.name)
+        self.stop_requested = asyncio.Event()
+        self.jobs: dict[int, Job] = {}
+        self._verb = asyncio.Lock()  # one verb at a time: a D-Bus Restart never interleaves with a stop
+        self._ended: asyncio.Future[int] | None = None  # the exit code, once the instance's life is over
+
+    # ------------------------------------------------------------------ start
+
+    async def start(self) -> Outcome:
+        """Bring the instance up on the one start path; the Outcome says what happened and why."""
+        async with self._verb:
+            return await self._start()
+
+    async def _start(self) -> Outcome:
+        began = time.monotonic()
+        stopped: list[takeover.Conflict] = []
+
+        async def preflight() -> None:
+            await self._acquire_lock()
+            await prepare_start(self.profile, self.cfg, self.inventory, say=self._say_transition,
+                                progress=self.instance.set_transition, stopped=stopped)
+            self.instance.set_transition("")
+
+        try:
+            await self.instance.start(preflight=self.wrap_preflight(preflight))
+        except SupervisorError as e:
+            outcome = await self._after_failed_start(e, stopped)
+            self.on_transition(time.monotonic() - began, self._from(stopped), self.profile.name,
+                               "rolled_back" if stopped and self.profile.rollback else outcome.state)
+            return outcome
+        finally:
+            self.lock.release()
+        if stopped:
+            self.on_transition(time.monotonic() - began, self._from(stopped), self.profile.name, "ok")
+        return Outcome.done(f"ready in {time.monotonic() - began:.1f} s")
+
+    async def _acquire_lock(self) -> None:
+        holder = self.lock.holder()
+        if holder:
+            self.instance.set_transition(f"waiting for the transition of {holder}")
+        await self.lock.acquire()
+
+    def _say_transition(self, message: str, priority: int) -> None:
+        self.say(message, priority, "transition")
+
+    @staticmethod
+    def _from(stopped: list[takeover.Conflict]) -> str:
+        return ",".join(c.instance for c in stopped) or "-"
+
+    async def _after_failed_start(self, error: SupervisorError, stopped: list[takeover.Conflict]) -> Outcome:
+        """The reason, and, after a takeover, the rollback and its outcome: in STATUS= and the journal."""
+        reason = str(error).splitlines()[0]  # the instance has logged the whole error already
+        if not stopped:
+            self.instance.fail(reason)
+            return Outcome.of(error, reason)
+        names = ", ".join(f"dsv4@{c.instance}" for c in stopped)
+        if not self.profile.rollback:
+            reason = f"{reason} (after taking over {names}; rollback = false: they stay stopped)"
+        else:
+            rolled, failed = [], []
+            for c in stopped:
+                try:
+                    await asyncio.to_thread(takeover.start_instance, c)
+                    rolled.append(f"dsv4@{c.instance}")
+                except SupervisorError as e:
+                    failed.append(f"dsv4@{c.instance} ({e})")
+            reason = (f"{reason} (after taking over {names}; rolled back: "
+                      + (", ".join(rolled) + " started again" if rolled else "nothing")
+                      + (f"; rollback failed: {'; '.join(failed)}" if failed else "") + ")")
+            self.say(f"rollback: {self.profile.name} failed to start; " + (", ".join(rolled) or "none") + " started again",
+                     4 if not failed else 3, "rollback")
+        self.instance.fail(reason)
+        return Outcome.of(TakeoverFailed(reason), reason)
+
+    # ------------------------------------------------------------------ stop, restart
+
+    async def stop(self, why: str = "stop requested") -> Outcome:
+        async with self._verb:
+            took = await self.instance.stop(why)
+        return Outcome.done(f"stopped in {took:.1f} s")
+
+    async def restart(self) -> Outcome:
+        """Stop every process, then the whole start path again (not a shortcut around it)."""
+        async with self._verb:
+            await self.instance.stop("restart requested")
+            outcome = await self._start()
+        if not outcome.ok:
+            self._end(outcome.exit_code or EXIT_GAVE_UP)
+        return outcome
+
+    async def restart_process(self, name: str) -> Outcome:
+        if name not in self.instance.processes:
+            return Outcome("refused", f"no process {name!r} in {self.profile.name}", 2)
+        if self.instance.state not in (State.READY, State.DEGRADED):
+            return Outcome("refused", f"{self.profile.name} is {self.instance.state.value}, not ready", 3)
+        async with self._verb:
+            try:
+                await self.instance.restart_process(name)
+            except SupervisorError as e:
+                return Outcome.of(e)
+        proc = self.instance.processes[name]
+        if proc.state != State.READY:
+            return Outcome.failed(f"{name} is {proc.state.value}: {proc.last_exit}")
+        return Outcome.done(f"{name} restarted")
+
+    def request_stop(self) -> None:
+        """SIGTERM, D-Bus Stop: the life loop stops the instance (in order) and the daemon exits 0."""
+        self.stop_requested.set()
+
+    # ------------------------------------------------------------------ jobs (the D-Bus verbs)
+
+    def submit(self, verb: str, work: Callable[[], Awaitable[Outcome]]) -> Job:
+        """Run a verb in the background and return its Job at once; a second one while a job runs
+        is refused: the caller gets 'busy' rather than a pile of restarts on one instance."""
+        if any(j.state == "running" for j in self.jobs.values()):
+            raise PreconditionError(f"{self.profile.name} is busy with job "
+                                    f"{next(j.id for j in self.jobs.values() if j.state == 'running')}; try again when it is done")
+        job = Job(verb)
+        self.jobs[job.id] = job
+        while len(self.jobs) > 32:
+            del self.jobs[min(self.jobs)]
+
+        async def runner() -> None:
+            try:
+                outcome = await work()
+            except SupervisorError as e:
+                outcome = Outcome.of(e)
+            except Exception as e:  # a bug of ours: still an outcome, and in the journal
+                self.say(f"job {job.id} ({verb}) failed: {e!r}", 3, "job")
+                outcome = Outcome.failed(f"internal error: {e.__class__.__name__}: {e}")
+            job.finish(outcome)
+            self.say(f"job {job.id} ({verb}): {outcome.state}" + (f": {outcome.reason}" if outcome.reason else ""),
+                     6 if outcome.ok else 4, "job")
+
+        asyncio.get_running_loop().create_task(runner())
+        return job
+
+    # ------------------------------------------------------------------ the daemon's life
+
+    def _end(self, code: int) -> None:
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(code)
+
+    async def run(self, on_ready: Callable[[], None] | None = None, stop_after_ready: bool = False) -> int:
+        """Start; serve until a stop is asked for or the instance gives up; stop. Returns the exit
+        status: 0 stopped (also when stopped while starting), 2 bad profile, 3 refused (GPUs or
+        ports held by someone else, nothing touched), 5 a takeover failed (rolled back), 6 the
+        restart limit reached (final: the unit does not retry it), 1 any other failure."""
+        loop = asyncio.get_running_loop()
+        self._ended = loop.create_future()
+        starting = asyncio.ensure_future(self.start())
+        told = asyncio.ensure_future(self.stop_requested.wait())
+        await asyncio.wait({starting, told}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # told to stop while starting: the start is abandoned, what started stops
+            self.instance.cancel_reason = "stopped while starting" + self._taken_over_by()
+            starting.cancel()
+            try:
+                await starting
+            except asyncio.CancelledError:
+                pass
+            return EXIT_OK
+        told.cancel()
+        outcome = starting.result()
+        if not outcome.ok:
+            return outcome.exit_code
+        if on_ready is not None:
+            on_ready()
+        if not stop_after_ready:
+            failed = asyncio.ensure_future(self.instance.failed.wait())
+            told = asyncio.ensure_future(self.stop_requested.wait())
+            waits: set[asyncio.Future[Any]] = {failed, told, self._ended}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            failed.cancel()
+            told.cancel()
+            if self._ended.done():
+                return self._ended.result()
+            if self.instance.failed.is_set():
+                return EXIT_GAVE_UP
+        await self.stop("stop requested" + self._taken_over_by())
+        return EXIT_OK
+
+    def _taken_over_by(self) -> str:
+        """": tp4-512k (pid 4711) is taking over" when another instance's transition holds the lock
+        as we are told to stop (it is the one stopping us), else "": the loser says who won."""
+        winner = self.lock.holder()
+        if winner and not winner.startswith(f"{self.profile.name} "):
+            return f": {winner} is taking over (it holds the transition lock)"
+        return ""
+

@@ -1,0 +1,112 @@
+"""gpusupctl's local verbs: `check` says what the daemon will say, a rehearsal is seen by every
+other command and leaves nothing behind. (The systemd verbs: test_controller_systemd.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from support import free_ports, pd_profile, wait_for
+from supervisord_gpu.cli import gpusupctl
+from supervisord_gpu.config.loader import load_daemon_config, load_profile
+from supervisord_gpu.controller.preflight import validate
+from supervisord_gpu.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+
+ONE_SERVER = """
+[servers.server]
+gpus = [0]
+port = 31001
+model_path = "/"
+[servers.server.options]
+{option}
+"""
+
+
+@pytest.mark.parametrize("option,expected", [
+    ("tp = 4", "servers.server.options: rejected by"),  # an abbreviation SGLang's parser would take for --tp-size
+    ("no-such-flag = 1", "servers.server.options: rejected by"),
+])
+def test_check_refuses_exactly_what_the_daemon_refuses(tmp_path, capsys, option, expected):
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "supervisord-gpu.toml").write_text('[daemon]\ndefault_user = "root"\n')
+    (tmp_path / "profiles" / "p.toml").write_text(ONE_SERVER.format(option=option))
+    assert gpusupctl.main(["check", "p", "--config-dir", str(tmp_path)]) == 2
+    said = capsys.readouterr().err.strip()
+    cfg = load_daemon_config(str(tmp_path))
+    with pytest.raises(ConfigError) as daemon_says:  # what the daemon runs before touching anything
+        validate(load_profile(cfg, "p"), cfg)
+    assert said == f"gpusupctl: {daemon_says.value}" and expected in said, said
+
+
+def test_a_running_rehearsal_is_seen_by_other_commands_and_leaves_nothing_behind(tmp_path, cgroups):
+    cdir = tmp_path / "etc"
+    (cdir / "profiles").mkdir(parents=True)
+    (cdir / "supervisord-gpu.toml").write_text(textwrap.dedent(f"""
+        [daemon]
+        ownership = "cgroupfs"
+        cgroup_root = "{cgroups.root}"
+        runtime_dir = "{tmp_path / 'run'}"
+        default_user = "root"
+        [rehearsal]
+        server_startup = 0.5
+        server_mib_per_gpu = 1000
+        """))  # rehearsal not enabled here: `rehearse` switches it on, in a directory of its own
+    (cdir / "profiles" / "pd.toml").write_text(textwrap.dedent(pd_profile(free_ports(5))))
+    before = set(Path("/tmp").glob("supervisord-gpu-rehearsal*"))
+    ctl = [sys.executable, "-m", "supervisord_gpu.cli.gpusupctl"]
+    rehearsal = subprocess.Popen([*ctl, "rehearse", "pd", "--hold", "--config-dir", str(cdir)], cwd=REPO,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 60
+        while not any(line.startswith("POST ") for line in lines):
+            assert time.monotonic() < deadline and rehearsal.poll() is None, "".join(lines)
+            lines.append(rehearsal.stdout.readline())  # type: ignore[union-attr]
+        seen = json.loads(subprocess.run([*ctl, "gpus", "--rehearsal", "--json", "--config-dir", str(cdir)], cwd=REPO,
+                                         capture_output=True, text=True, check=True).stdout)
+        held = {g["index"]: g for g in seen["gpus"]}
+        assert seen["backend"] == "simulated" and held[0]["used_mib"] >= 1000 and held[1]["used_mib"] >= 1000, seen
+        assert any("pd/prefill" in h for h in held[0]["holders"]), held[0]
+        check = subprocess.run([*ctl, "check", "pd", "--rehearsal", "--config-dir", str(cdir)], cwd=REPO,
+                               capture_output=True, text=True)
+        assert check.returncode == 3 and "GPU 0" in check.stdout, check.stdout + check.stderr  # held: by the rehearsal
+    finally:
+        os.killpg(rehearsal.pid, signal.SIGINT)
+        out, _ = rehearsal.communicate(timeout=60)
+    assert rehearsal.returncode == 0, out
+    assert "verified after stop: GPUs [0, 1] idle" in out, out
+    left = sorted(p.name for p in (tmp_path / "run" / "rehearsal").iterdir())
+    assert left in ([], ["cache"]), left
+    assert set(Path("/tmp").glob("supervisord-gpu-rehearsal*")) == before
+
+
+def test_a_failed_rehearsal_leaves_nothing_behind_either(tmp_path, cgroups):
+    cdir = tmp_path / "etc"
+    (cdir / "profiles").mkdir(parents=True)
+    (cdir / "supervisord-gpu.toml").write_text(textwrap.dedent(f"""
+        [daemon]
+        ownership = "cgroupfs"
+        cgroup_root = "{cgroups.root}"
+        runtime_dir = "{tmp_path / 'run'}"
+        default_user = "root"
+        [rehearsal]
+        server_startup = 0.2
+        """))
+    profile = pd_profile(free_ports(5), prefill_extra='[servers.prefill.env]\nSUPERVISORD_GPU_STANDIN_FAULT = "crash-on-start"\n')
+    (cdir / "profiles" / "pd.toml").write_text(textwrap.dedent(profile))
+    r = subprocess.run([sys.executable, "-m", "supervisord_gpu.cli.gpusupctl", "rehearse", "pd", "--config-dir", str(cdir)],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "prefill" in r.stdout + r.stderr, r.stdout + r.stderr
+    # SGLang's own traceback is quoted in the reason; none of ours ever is
+    assert "internal error" not in r.stderr and not any(l.startswith("Traceback") for l in (r.stdout + r.stderr).splitlines())
+    wait_for(lambda: sorted(p.name for p in (tmp_path / "run" / "rehearsal").iterdir()) in ([], ["cache"]), 5, "cleanup")
