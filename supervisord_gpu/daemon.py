@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from .records import dataclass, field
 from typing import Any
 
 from .config.loader import effective_config, load_daemon_config, load_profile

@@ -11,7 +11,8 @@ command runs --runs times, interleaved, timed wall-clock from exec to exit:
   * `nvidia-smi` (the default table, what people type);
   * `nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader` and
     `--query-compute-apps=pid,used_memory` (the scripted "nvidia-smi-style query");
-  * `python3 -c pass` (interpreter start-up with this image's site: the floor any Python CLI pays).
+  * `python3 -c pass` (interpreter start-up with this image's site: the floor any Python CLI pays),
+    the same without site (-I -S), and `import argparse, tomllib, pynvml` (what gpusupctl cannot avoid).
 gpusupctl runs byte-compiled, as it is once installed (the .deb byte-compiles on install, pip
 does too): the device image sets PYTHONDONTWRITEBYTECODE=1 and ships pynvml and psutil without
 bytecode, so the benchmark gives gpusupctl a private PYTHONPYCACHEPREFIX and warms it once.
@@ -66,6 +67,10 @@ def main() -> int:
         "nvidia-smi --query-compute-apps": ([smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
                                             base),
         "python3 -c pass": ([sys.executable, "-c", "pass"], compiled),
+        # what `gpusupctl gpus` cannot avoid importing, alone: the standard library's argument
+        # parser and TOML reader, and NVML's bindings (the owner's fixed dependencies)
+        "python3 -c 'import argparse, tomllib, pynvml'": ([sys.executable, "-c", "import argparse, tomllib, pynvml"], compiled),
+        "python3 -I -S -c pass (no site)": ([sys.executable, "-I", "-S", "-c", "pass"], compiled),
     }
     hog = start_hog("0", args.hold_gib)
     samples: dict[str, list[float]] = {k: [] for k in commands}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from ..records import dataclass
 from typing import Any
 from collections.abc import Iterable
 

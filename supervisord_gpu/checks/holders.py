@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import pwd
-from dataclasses import dataclass
+from ..records import dataclass
 from typing import Any
 
 from ..ownership.names import Owner, owner_of_cgroup, unit_of_cgroup

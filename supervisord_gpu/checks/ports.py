@@ -17,7 +17,7 @@ import errno
 import ipaddress
 import socket
 import sys
-from dataclasses import dataclass
+from ..records import dataclass
 from typing import Any
 from collections.abc import Iterable
 

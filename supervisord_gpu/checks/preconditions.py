@@ -14,14 +14,16 @@ Also here: the renderings the CLI prints (`gpusupctl gpus`, `gpusupctl check --j
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from ..records import dataclass
+from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Iterable
 
 from ..errors import PreconditionError
 from .gpus import GpuInventory, GpuState
 from .holders import Holder, describe_gpu_pid
-from .ports import PortStatus, bind_test, check_ports
+
+if TYPE_CHECKING:  # the port checks (socket, ipaddress) load only when ports are checked: `gpus` never does
+    from .ports import PortStatus
 
 TABLE_WIDTH = 80
 SUMMARY_WIDTH = 200
@@ -106,6 +108,8 @@ def _probe(req: Requirement, inventory: GpuInventory, attribute: bool) -> Precon
     count = inventory.count()
     missing = sorted(i for i in req.gpus if not 0 <= i < count)
     states = inventory.snapshot(sorted(set(req.gpus) - set(missing)))
+    from .ports import PortStatus, bind_test, check_ports
+
     if attribute:
         holders = {s.index: [describe_gpu_pid(p.pid, inventory.pids_local) for p in s.processes] for s in states}
         ports = check_ports(req.ports)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from dataclasses import dataclass
+from ..records import dataclass
 from pathlib import Path
 
 ENV_DIR = "SUPERVISORD_GPU_SIMGPU_DIR"

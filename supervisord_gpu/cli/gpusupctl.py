@@ -138,7 +138,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
     import asyncio
-    import dataclasses
+    from .. import records
     import time
 
     from ..config.loader import load_daemon_config, load_profile
@@ -155,13 +155,13 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     runtime = secure_directory(cfg.runtime_dir)
     rehearsal = cfg.rehearsal
     if args.startup is not None:
-        rehearsal = dataclasses.replace(rehearsal, server_startup_s=max(0.0, args.startup))
+        rehearsal = records.replace(rehearsal, server_startup_s=max(0.0, args.startup))
     mount = cgroup2_mount()
     cgroup_root = cfg.cgroup_root
     if cgroup_root is None and mount is not None:
         cgroup_root = str(mount / "supervisord-gpu-rehearsal" / "supervisord-gpu")
     ownership = cfg.ownership if cfg.ownership != "systemd" else "auto"
-    cfg = dataclasses.replace(cfg, cache_dir=runtime / "cache", rehearsal=rehearsal,
+    cfg = records.replace(cfg, cache_dir=runtime / "cache", rehearsal=rehearsal,
                               cgroup_root=cgroup_root, ownership=ownership)
     profile = load_profile(cfg, args.name)
     t0 = time.monotonic()
@@ -276,7 +276,7 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     states = inventory.snapshot()
     holders = {s.index: [describe_gpu_pid(p.pid, inventory.pids_local) for p in s.processes] for s in states}
     if args.json:
-        from dataclasses import asdict
+        from ..records import asdict
 
         print(json.dumps({"backend": inventory.kind, "gpus": [
             {**asdict(s), "holders": [h.describe() for h in holders[s.index]]} for s in states]}, indent=2, default=str))

@@ -212,10 +212,10 @@ def effective_config(cfg: DaemonConfig, rehearsal: bool) -> DaemonConfig:
     ... --rehearsal` in another shell sees the same simulated GPUs, and a rehearsal never
     finds, let alone takes over, the production instances recorded in the runtime directory.
     """
-    import dataclasses
+    from .. import records
 
     if rehearsal and not cfg.rehearsal.enabled:
-        return dataclasses.replace(cfg, rehearsal=dataclasses.replace(cfg.rehearsal, enabled=True),
+        return records.replace(cfg, rehearsal=records.replace(cfg.rehearsal, enabled=True),
                                    runtime_dir=rehearsal_runtime_dir(cfg))
     return cfg
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from ..records import dataclass, field
 from pathlib import Path
 from typing import Literal
 

@@ -11,7 +11,7 @@ import importlib.util
 import os
 import pwd
 import sys
-from dataclasses import dataclass
+from ..records import dataclass
 from pathlib import Path
 from collections.abc import Mapping
 

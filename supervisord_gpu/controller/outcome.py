@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from ..records import dataclass, field
 from typing import Literal
 
 from ..errors import EXIT_FAILED, EXIT_OK, PreconditionError, SupervisorError

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from ..records import asdict, dataclass
 from pathlib import Path
 
 import psutil

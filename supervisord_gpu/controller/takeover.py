@@ -14,7 +14,7 @@ import asyncio
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from ..records import dataclass, field
 
 from ..config.loader import load_profile
 from ..config.model import DaemonConfig, Profile

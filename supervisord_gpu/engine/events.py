@@ -7,7 +7,7 @@ the engine never imports any of them.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from ..records import dataclass, field
 from typing import Protocol
 from collections.abc import Callable
 

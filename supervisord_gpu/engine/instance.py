@@ -6,10 +6,10 @@ The instance is the only owner of its processes' state, and lives on one asyncio
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+from .. import records
 import os
 import time
-from dataclasses import dataclass, field
+from ..records import dataclass, field
 from collections.abc import Awaitable, Callable, Mapping
 
 from ..config.model import Profile
@@ -41,7 +41,7 @@ class InstanceStatus:
 
     def to_json(self) -> dict[str, object]:
         """The stable shape of `gpusupctl status --json` and of D-Bus GetStatus (see the README)."""
-        data = dataclasses.asdict(self)
+        data = records.asdict(self)
         data["instance"] = data.pop("name")
         data["snapshot_at"] = time.time()
         return data

@@ -15,7 +15,7 @@ twenty minutes costs one bar's worth of memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from ..records import dataclass, field
 
 LINE_LIMIT = 1 << 20  # a longer line is forwarded in pieces of this size
 

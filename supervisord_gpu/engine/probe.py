@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from ..records import dataclass
 
 
 @dataclass(frozen=True)

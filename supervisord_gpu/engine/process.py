@@ -12,7 +12,7 @@ import os
 import pwd
 import signal
 import time
-from dataclasses import dataclass, field
+from ..records import dataclass, field
 from collections.abc import Callable, Mapping
 
 from ..checks.ports import check_ports, listener_ownership

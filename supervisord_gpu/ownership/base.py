@@ -15,7 +15,7 @@ import asyncio
 import os
 import signal
 import sys
-from dataclasses import dataclass, field
+from ..records import dataclass, field
 from collections.abc import Mapping, Sequence
 from typing import Any
 

@@ -20,7 +20,7 @@ import errno
 import os
 import shutil
 import stat
-from dataclasses import dataclass, field
+from ..records import dataclass, field
 from pathlib import Path
 from collections.abc import Iterable
 

@@ -61,7 +61,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from ..records import dataclass, field
 from typing import Any
 from collections.abc import Sequence
 from urllib.parse import urlsplit

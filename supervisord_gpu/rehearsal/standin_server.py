@@ -150,7 +150,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from ..records import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 from collections.abc import Callable, Sequence

@@ -13,7 +13,7 @@ import contextlib
 import importlib.util
 import io
 import subprocess
-from dataclasses import dataclass
+from ..records import dataclass
 
 from ..config.model import Profile
 from ..config.render import server_args

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from ..records import dataclass
 from typing import Any
 
 from ..errors import BusError, OperationFailed, PermissionDenied
