@@ -32,8 +32,11 @@ port = {port}
 
 
 def unit_text(drop: str = "") -> str:
+    """The shipped unit, running this checkout's daemon. The checkout is bound into the service's
+    namespace explicitly: under PrivateTmp=yes a clone in /tmp would be invisible to it."""
     text = (REPO / "units" / "dsv4@.service").read_text()
-    return text.replace("ExecStart=/usr/bin/supervisord-gpu run %i", f"ExecStart={DAEMON} run %i") + drop
+    text = text.replace("ExecStart=/usr/bin/supervisord-gpu run %i", f"ExecStart={DAEMON} run %i")
+    return text.replace("\n[Install]", f"\n# tests: this checkout, wherever it lies\nBindReadOnlyPaths={REPO}\n\n[Install]", 1) + drop
 
 
 def install(ctr, startup: float = 1.0, stall: float = 120.0, unit_extra: str = "",  # type: ignore[no-untyped-def]

@@ -146,6 +146,10 @@ def test_a_tp4_server_that_fails_to_start_rolls_back_to_pd(box):
         time.sleep(0.5)
     assert box.is_active("dsv4@pd-1p1d") == "active"
     assert any("rollback" in e["MESSAGE"] for e in events(box, "dsv4@tp4-512k", "rollback"))
+    # STATUS= ends with the reason and the rollback's outcome, and the exit status is final (5)
+    shown = box.run(["systemctl", "show", "-p", "StatusText", "-p", "ExecMainStatus", "dsv4@tp4-512k"]).stdout
+    assert "ExecMainStatus=5" in shown, shown
+    assert "StatusText=failed: " in shown and "rolled back: dsv4@pd-1p1d started again" in shown, shown
 
 
 def test_a_foreign_holder_stops_the_switch_before_teardown_naming_it(box):
