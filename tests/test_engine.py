@@ -247,3 +247,28 @@ def test_a_decoy_with_a_matching_command_line_survives_start_stop_and_restart(tm
 
     asyncio.run(go())
     assert decoy.poll() is None and alive(decoy.pid)
+
+
+def test_a_stop_we_asked_for_is_not_reported_with_the_processes_last_complaint(tmp_path, cgroups):
+    """The real router logs an ERROR for each 503 our readiness probe got while it started; its
+    clean exit after our SIGTERM must not be reported with that line. A kill nobody asked for
+    keeps the last error line: there it may be the why."""
+    cdir = write_config(tmp_path, {"p": two_servers_and_router(free_ports(4))}, cgroups.root, startup=0.5)
+    instance, _ = make_instance(cdir, "p", Recorder())
+
+    async def go() -> None:
+        await instance.start()
+        alpha = instance.processes["alpha"]
+        alpha.last_error = "RuntimeError: something alpha said earlier"
+        os.kill(alpha.pid, signal.SIGKILL)
+        for _ in range(400):  # read before the restart's backoff ends (a new run forgets the line)
+            await asyncio.sleep(0.02)
+            if alpha.exit_code is not None:
+                break
+        assert alpha.exit_report == "killed by SIGKILL: RuntimeError: something alpha said earlier"
+        router = instance.processes["router"]
+        router.last_error = "ERROR http_request{uri=/readiness status_code=503}"
+        await instance.stop()
+        assert router.exit_code == 0 and router.exit_report == "exit code 0", router.exit_report
+
+    asyncio.run(go())

@@ -398,7 +398,12 @@ class ManagedProcess:
 
     @property
     def exit_report(self) -> str:
-        """How it ended, with its own last error line: for the journal, never for STATUS=."""
+        """How it ended, with its own last error line: for the journal, never for STATUS=. A clean
+        end of a stop we asked for (exit 0 or SIGTERM after our SIGTERM) carries no error line:
+        what it last complained about (a 503 to our own readiness probe, say) is not why it ended.
+        An exit nobody asked for keeps it, whatever the code."""
+        if signal.SIGTERM in self.signals_sent and self.exit_code in (0, -signal.SIGTERM):
+            return self.last_exit
         return exits.with_error(self.last_exit, self.last_error)
 
     def _failure(self, why: str) -> str:
