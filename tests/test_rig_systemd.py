@@ -205,7 +205,10 @@ def test_unit_cgroup_and_processes(systemd_container: SystemdContainer) -> None:
     try:
         cg = c.unit_cgroup(unit)
         assert cg == f"/sys/fs/cgroup/system.slice/{unit}"
-        procs = wait_for(lambda: c.processes(f"/system.slice/{unit}"), what="the sleep")
+        # systemd's forked child is in the cgroup a moment before it execs sleep (comm "(sleep)",
+        # its argv area blank): wait for the exec, not just for a process
+        procs = wait_for(lambda: [p for p in c.processes(f"/system.slice/{unit}") if p.comm == "sleep"] or None,
+                         what="the sleep")
         assert [p.cmdline[1:] for p in procs] == [("300",)] and procs[0].comm == "sleep"
         assert c.read_file(f"{cg}/cgroup.procs").split() == [str(procs[0].pid)]
         everything = c.processes()
