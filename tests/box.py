@@ -67,6 +67,19 @@ def box(fresh_systemd_container):  # type: ignore[no-untyped-def]
     return ctr
 
 
+def server_profile(gpu: int, port: int, start_timeout: float = 10, fault: str = "", extra: str = "") -> str:
+    """A one-server profile for the box: the stand-in on `gpu` and `port`, with an optional fault."""
+    env = f'[servers.server.env]\nSUPERVISORD_GPU_STANDIN_FAULT = "{fault}"\n' if fault else ""
+    return f"""
+[servers.server]
+gpus = [{gpu}]
+port = {port}
+model_path = "/m"
+start_timeout = {start_timeout:g}
+{env}
+{extra}"""
+
+
 def ours(ctr) -> list:  # type: ignore[no-untyped-def]
     """Every process in a dsv4 unit or scope."""
     return [p for p in ctr.processes() if "/dsv4" in p.cgroup]

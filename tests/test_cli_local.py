@@ -48,7 +48,9 @@ def test_check_refuses_exactly_what_the_daemon_refuses(tmp_path, capsys, option,
     assert said == f"gpusupctl: {daemon_says.value}" and expected in said, said
 
 
-def test_a_running_rehearsal_is_seen_by_other_commands_and_leaves_nothing_behind(tmp_path, cgroups):
+def rehearse_config_dir(tmp_path: Path, cgroups, profile: str, rehearsal: str) -> Path:  # type: ignore[no-untyped-def]
+    """A config dir for `gpusupctl rehearse pd`: rehearsal is not enabled in it, since `rehearse`
+    switches it on in a directory of its own; `rehearsal` is the body of its [rehearsal] table."""
     cdir = tmp_path / "etc"
     (cdir / "profiles").mkdir(parents=True)
     (cdir / "supervisord-gpu.toml").write_text(textwrap.dedent(f"""
@@ -58,10 +60,13 @@ def test_a_running_rehearsal_is_seen_by_other_commands_and_leaves_nothing_behind
         runtime_dir = "{tmp_path / 'run'}"
         default_user = "root"
         [rehearsal]
-        server_startup = 0.5
-        server_mib_per_gpu = 1000
-        """))  # rehearsal not enabled here: `rehearse` switches it on, in a directory of its own
-    (cdir / "profiles" / "pd.toml").write_text(textwrap.dedent(pd_profile(free_ports(5))))
+        """) + rehearsal + "\n")
+    (cdir / "profiles" / "pd.toml").write_text(textwrap.dedent(profile))
+    return cdir
+
+
+def test_a_running_rehearsal_is_seen_by_other_commands_and_leaves_nothing_behind(tmp_path, cgroups):
+    cdir = rehearse_config_dir(tmp_path, cgroups, pd_profile(free_ports(5)), "server_startup = 0.5\nserver_mib_per_gpu = 1000")
     before = set(Path("/tmp").glob("supervisord-gpu-rehearsal*"))
     ctl = [sys.executable, "-m", "supervisord_gpu.cli.gpusupctl"]
     rehearsal = subprocess.Popen([*ctl, "rehearse", "pd", "--hold", "--config-dir", str(cdir)], cwd=REPO,
@@ -91,19 +96,8 @@ def test_a_running_rehearsal_is_seen_by_other_commands_and_leaves_nothing_behind
 
 
 def test_a_failed_rehearsal_leaves_nothing_behind_either(tmp_path, cgroups):
-    cdir = tmp_path / "etc"
-    (cdir / "profiles").mkdir(parents=True)
-    (cdir / "supervisord-gpu.toml").write_text(textwrap.dedent(f"""
-        [daemon]
-        ownership = "cgroupfs"
-        cgroup_root = "{cgroups.root}"
-        runtime_dir = "{tmp_path / 'run'}"
-        default_user = "root"
-        [rehearsal]
-        server_startup = 0.2
-        """))
     profile = pd_profile(free_ports(5), prefill_extra='[servers.prefill.env]\nSUPERVISORD_GPU_STANDIN_FAULT = "crash-on-start"\n')
-    (cdir / "profiles" / "pd.toml").write_text(textwrap.dedent(profile))
+    cdir = rehearse_config_dir(tmp_path, cgroups, profile, "server_startup = 0.2")
     r = subprocess.run([sys.executable, "-m", "supervisord_gpu.cli.gpusupctl", "rehearse", "pd", "--config-dir", str(cdir)],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "prefill" in r.stdout + r.stderr, r.stdout + r.stderr

@@ -6,29 +6,18 @@ import json
 
 import pytest
 
-from box import REPO, box  # noqa: F401  (box is a fixture)
+from box import REPO, box, server_profile as profile  # noqa: F401  (box is a fixture)
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 CTL = f"{REPO}/.venv/bin/gpusupctl"
 
 
-def profile(gpu: int, port: int, fault: str = "") -> str:
-    env = f'[servers.server.env]\nSUPERVISORD_GPU_STANDIN_FAULT = "{fault}"\n' if fault else ""
-    return f"""
-[servers.server]
-gpus = [{gpu}]
-port = {port}
-model_path = "/m"
-start_timeout = 3
-{env}"""
-
-
 @pytest.fixture
 def three(box):  # type: ignore[no-untyped-def]
     box.install(startup=1.0, unit_extra="Restart=no\n")
-    box.write_file("/etc/supervisord-gpu/profiles/alpha.toml", profile(0, 31001))
-    box.write_file("/etc/supervisord-gpu/profiles/beta.toml", profile(1, 31002, "never-ready"))
-    box.write_file("/etc/supervisord-gpu/profiles/gamma.toml", profile(2, 31003))
+    box.write_file("/etc/supervisord-gpu/profiles/alpha.toml", profile(0, 31001, start_timeout=3))
+    box.write_file("/etc/supervisord-gpu/profiles/beta.toml", profile(1, 31002, start_timeout=3, fault="never-ready"))
+    box.write_file("/etc/supervisord-gpu/profiles/gamma.toml", profile(2, 31003, start_timeout=3))
     box.systemctl("start", "dsv4@alpha", timeout=60)
     box.systemctl("start", "dsv4@beta", check=False, timeout=60)
     box.systemctl("start", "dsv4@gamma", timeout=60)

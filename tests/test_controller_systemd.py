@@ -11,23 +11,11 @@ import time
 
 import pytest
 
-from box import REPO, box, ours  # noqa: F401  (box is a fixture)
+from box import REPO, box, ours, server_profile as profile  # noqa: F401  (box is a fixture)
 from support import wait_for
 
 pytestmark = pytest.mark.systemd
 CTL = f"{REPO}/.venv/bin/gpusupctl"
-
-
-def profile(gpu: int, port: int, extra: str = "", fault: str = "") -> str:
-    env = f'[servers.server.env]\nSUPERVISORD_GPU_STANDIN_FAULT = "{fault}"\n' if fault else ""
-    return f"""
-[servers.server]
-gpus = [{gpu}]
-port = {port}
-model_path = "/m"
-start_timeout = 10
-{env}
-{extra}"""
 
 
 def show(box, unit: str, *props: str) -> dict[str, str]:  # type: ignore[no-untyped-def]
@@ -118,8 +106,7 @@ def test_of_two_conflicting_starts_at_once_the_loser_says_who_won(box):
 
 def test_a_stop_while_starting_says_so_and_leaves_nothing(box):
     box.install(startup=30.0, unit_extra="Restart=no\n")
-    box.write_file("/etc/supervisord-gpu/profiles/alpha.toml", profile(0, 31001, extra="start_timeout = 120\n")
-                   .replace("start_timeout = 10\n", ""))
+    box.write_file("/etc/supervisord-gpu/profiles/alpha.toml", profile(0, 31001, start_timeout=120))
     box.systemctl("start", "--no-block", "dsv4@alpha")
     wait_for(lambda: "server" in show(box, "dsv4@alpha.service", "StatusText")["StatusText"]
              and "loading" in show(box, "dsv4@alpha.service", "StatusText")["StatusText"], 30, "the load to be under way")
