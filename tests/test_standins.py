@@ -1116,3 +1116,57 @@ def test_standin_router_rejects_unknown_flags() -> None:
         ["--pd-disaggregation", "--prefill", "http://a:1", "8998", "--prefill", "http://b:1", "--decode", "http://c:1"])
     assert args.prefill == [["http://a:1", "8998"], ["http://b:1"]] and args.decode == [["http://c:1"]]
     assert standin_router.build_parser().parse_args([]).host == "0.0.0.0"
+
+
+# -- a server spanning nodes (--nnodes / --node-rank / --dist-init-addr) ----------------------
+
+
+def span(rank: int, store: int, nnodes: int = 2, timeout: int | None = None) -> list[str]:
+    extra = ["--dist-timeout", str(timeout)] if timeout is not None else []
+    return ["--tp-size", "2", "--nnodes", str(nnodes), "--node-rank", str(rank),
+            "--dist-init-addr", f"127.0.0.1:{store}", *extra]
+
+
+def test_rank_0_waits_for_the_other_node_before_loading_and_its_port_stays_closed(procs):
+    store = free_port()
+    rank0, port0, _, err0 = start_server(procs, *span(0, store))
+    wait_for(lambda: "Init torch distributed begin." in err0.read_text(), 10, what="the rendezvous")
+    time.sleep(1.5)  # far past its 0.3 s load: it is waiting for rank 1, not loading
+    assert "Load weight begin" not in err0.read_text() and status(f"http://127.0.0.1:{port0}/health") == 0
+    rank1, port1, _, err1 = start_server(procs, *span(1, store))
+    wait_ready(port0)
+    assert "Load weight begin" in err0.read_text()
+    wait_for(lambda: status(f"http://127.0.0.1:{port1}/health") == 200, 15, what="rank 1's dummy health")
+    assert status(f"http://127.0.0.1:{port1}/ready") == 404  # only /ping, /health, /health_generate
+    assert "Dummy health check server started in background thread at 127.0.0.1:" in err1.read_text()
+    assert rank0.poll() is None and rank1.poll() is None
+
+
+def test_a_missing_node_fails_the_start_at_the_dist_timeout_the_way_torch_does(procs):
+    rank0, port0, _, err0 = start_server(procs, *span(0, free_port(), timeout=2))
+    assert rank0.wait(15) == -signal.SIGKILL  # SGLang's SIGQUIT path: the tree, then itself
+    said = err0.read_text()
+    assert "Timed out after 2 seconds waiting for clients. 1/2 clients joined." in said, said
+    assert "Load weight begin" not in said
+
+
+def test_rank_1_ignores_sigterm_until_rank_0_goes_and_a_killed_rank_1_takes_rank_0_down(procs):
+    store = free_port()
+    rank0, port0, _, err0 = start_server(procs, *span(0, store))
+    rank1, port1, _, err1 = start_server(procs, *span(1, store))
+    wait_ready(port0)
+    wait_for(lambda: status(f"http://127.0.0.1:{port1}/health") == 200, 15, what="rank 1's dummy health")
+    rank1.send_signal(signal.SIGTERM)
+    wait_for(lambda: "waiting for the rank-0 ShutdownReq broadcast" in err1.read_text(), 10, what="rank 1's notice")
+    time.sleep(0.5)
+    assert rank1.poll() is None and status(f"http://127.0.0.1:{port0}/ready") == 200
+    rank0.send_signal(signal.SIGTERM)  # rank 0 drains and exits; rank 1 follows
+    assert rank0.wait(30) == 0 and rank1.wait(30) == 0
+    # and the other way round: rank 1 killed under a running rank 0
+    store = free_port()
+    rank0, port0, _, err0 = start_server(procs, *span(0, store))
+    rank1, port1, _, _ = start_server(procs, *span(1, store))
+    wait_ready(port0)
+    rank1.kill()
+    assert rank0.wait(15) == -signal.SIGKILL
+    assert "Connection closed by peer [node rank 1]" in err0.read_text()

@@ -16,6 +16,7 @@ import tomllib  # Python 3.11+ (Debian 12); older Pythons would use the tomli pa
 from ..errors import ConfigError
 from ..ownership.names import INSTANCE_NAME_RE, PROCESS_NAME_RE
 from .model import (
+    ClusterConfig,
     DaemonConfig,
     GpuConfig,
     MetricsConfig,
@@ -27,6 +28,7 @@ from .model import (
     RestartPolicy,
 )
 from ..sglang import timing
+from . import cluster
 from .tables import MAX_PORT, Table, type_name
 from .trust import check_modes
 
@@ -61,6 +63,9 @@ SERVER_MANAGED = {
     "port": "port",
     "disaggregation-mode": "role",
     "base-gpu-id": "gpus",
+    "nnodes": "nodes",
+    "node-rank": "nodes",
+    "dist-init-addr": "dist_init_port",
 }
 ROUTER_MANAGED = {
     "host": "host",
@@ -121,7 +126,7 @@ def load_daemon_config(config_dir: Path | str | None = None) -> DaemonConfig:
     if not path.exists():
         if not cdir.is_dir():
             raise ConfigError(cdir, "", "config directory does not exist (use --config-dir or SUPERVISORD_GPU_CONFIG_DIR)")
-        return DaemonConfig(path=None, config_dir=cdir)
+        return DaemonConfig(path=None, config_dir=cdir, cluster=_cluster_config(Table(cdir, "cluster", {})))
     top = Table(path, "", read_toml(path))
 
     d = top.table("daemon")
@@ -175,6 +180,7 @@ def load_daemon_config(config_dir: Path | str | None = None) -> DaemonConfig:
     m = top.table("metrics")
     metrics = MetricsConfig(m.bool("enabled", False), m.str("host", "127.0.0.1"), m.port("port", 9464))
     m.finish()
+    cluster_cfg = _cluster_config(top.table("cluster"))
     top.finish()
     return DaemonConfig(
         path=path,
@@ -192,7 +198,30 @@ def load_daemon_config(config_dir: Path | str | None = None) -> DaemonConfig:
         gpus=GpuConfig(backend, tolerance, tuple(baselines), wait_idle),
         rehearsal=rehearsal,
         metrics=metrics,
+        cluster=cluster_cfg,
     )
+
+
+def _cluster_config(c: Table) -> ClusterConfig:
+    """[cluster]: node defaults to this machine's host name (its first label, as `hostname -s`)."""
+    node = c.str("node", None)
+    if node is None:
+        node = os.uname().nodename.split(".")[0].lower()
+    elif not cluster.NODE_NAME_RE.match(node):
+        raise c.error("node", f"must be a host name label (lower-case letters, digits and '-'), not {node!r}")
+
+    def endpoint(value: Any, key: str) -> str:
+        if not isinstance(value, str) or not re.match(r"^https?://[^\s/]+\Z", value):
+            raise ConfigError(c.path, key, f"must be an etcd URL like \"http://10.0.0.1:2379\", not {value!r}")
+        return value
+
+    etcd = c.list("etcd", endpoint, ())
+    prefix = c.str("prefix", "/supervisord-gpu")
+    if not re.match(r"^(/[A-Za-z0-9_.-]+)+\Z", prefix):
+        raise c.error("prefix", f"must be a key path like \"/supervisord-gpu\", not {prefix!r}")
+    ttl = c.int("lease_ttl", 10, lo=2, hi=3600)
+    c.finish()
+    return ClusterConfig(node=node, etcd=tuple(etcd), prefix=prefix, lease_ttl_s=ttl)
 
 
 def _nonempty_str(path: Path):  # type: ignore[no-untyped-def]
@@ -251,9 +280,13 @@ def profile_path(cfg: DaemonConfig, name: str) -> Path:
     return path
 
 
-def load_profile(cfg: DaemonConfig, name: str) -> Profile:
+def load_profile(cfg: DaemonConfig, name: str, whole: bool = False) -> Profile:
+    """The profile as this node runs it: a cluster profile's part for `cfg.cluster.node`, unless `whole`."""
     path = profile_path(cfg, name)
-    return parse_profile(name, path, read_toml(path), cfg.default_user)
+    profile = parse_profile(name, path, read_toml(path), cfg.default_user)
+    if profile.is_cluster and not whole:
+        return cluster.part(profile, cfg.cluster.node)
+    return profile
 
 
 def parse_profile(name: str, path: Path, data: dict[str, Any], default_user: str | None = None) -> Profile:
@@ -281,21 +314,25 @@ def parse_profile(name: str, path: Path, data: dict[str, Any], default_user: str
     }
     default_env = _env(df.table("env"))
     df.finish()
+    nodes = cluster.parse_nodes(top)
 
     servers_t = top.table("servers", required=True)
     specs: list[ProcessSpec] = []
     for sname, sdata in servers_t.items():
-        specs.append(_server(path, sname, sdata, defaults, default_env))
+        specs.append(_server(path, sname, sdata, defaults, default_env, nodes))
     if not specs:
         raise ConfigError(path, "servers", "must define at least one server")
     if top.has(ROUTER):
-        specs.append(_router(path, top.raw(ROUTER), specs, defaults, default_env))
+        specs.append(_router(path, top.raw(ROUTER), specs, defaults, default_env, nodes))
     top.finish()
     if len(specs) > MAX_PROCESSES:
         raise ConfigError(path, "servers", f"too many processes ({len(specs)}; at most {MAX_PROCESSES})")
 
     _check_gpus(path, specs)
-    _check_ports(path, specs)
+    for node in dict.fromkeys(s.node for s in specs):  # ports collide only on the same machine
+        _check_ports(path, [s for s in specs if s.node == node])
+    if nodes:
+        cluster.check_reachable(path, specs)
     ordered = _start_order(path, specs)
     stop_order = _stop_order(path, ordered, stop_order_raw)
     return Profile(
@@ -307,6 +344,7 @@ def parse_profile(name: str, path: Path, data: dict[str, Any], default_user: str
         restart=restart,
         takeover=takeover,
         rollback=rollback,
+        nodes=nodes,
     )
 
 
@@ -384,7 +422,8 @@ def _never_stricter_than_sglang(p: Table, probe: Probe) -> None:
                                           f"liveness_timeout of at least {timing.HEALTH_VERDICT_S:g}")
 
 
-def _server(path: Path, name: str, data: Any, defaults: dict[str, Any], default_env: tuple) -> ProcessSpec:
+def _server(path: Path, name: str, data: Any, defaults: dict[str, Any], default_env: tuple,
+            nodes: tuple[tuple[str, str], ...] = ()) -> ProcessSpec:
     key = f"servers.{name}"
     if not PROCESS_NAME_RE.match(name) or name in (ROUTER, "daemon"):
         raise ConfigError(path, key, "a server name must be lower-case letters, digits and '_' (not 'router' or 'daemon')")
@@ -406,6 +445,7 @@ def _server(path: Path, name: str, data: Any, defaults: dict[str, Any], default_
     probe = _probe(t, SERVER_PROBE, server=True)
     options = _options(t.table("options"), SERVER_MANAGED)
     env = default_env + _env(t.table("env"))
+    where = cluster.placement(t, nodes, server=True)
     t.finish()
     spec = ProcessSpec(
         name=name,
@@ -422,6 +462,7 @@ def _server(path: Path, name: str, data: Any, defaults: dict[str, Any], default_
         probe=probe,
         start_timeout_s=common["start_timeout_s"],
         stop_timeout_s=common["stop_timeout_s"],
+        **where,
     )
     _check_parallelism(path, key, spec)
     return spec
@@ -435,11 +476,14 @@ def _check_parallelism(path: Path, key: str, spec: ProcessSpec) -> None:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(path, f"{key}.options.{opt}", f"must be a positive integer, not {value!r}")
             needed *= value
-    if needed > len(spec.gpus):
+    if spec.nodes:
+        cluster.check_parallelism_per_node(path, spec, needed)
+    elif needed > len(spec.gpus):
         raise ConfigError(path, f"{key}.gpus", f"lists {len(spec.gpus)} GPU(s) but the parallelism options need {needed}")
 
 
-def _router(path: Path, data: Any, servers: list[ProcessSpec], defaults: dict[str, Any], default_env: tuple) -> ProcessSpec:
+def _router(path: Path, data: Any, servers: list[ProcessSpec], defaults: dict[str, Any], default_env: tuple,
+            nodes: tuple[tuple[str, str], ...] = ()) -> ProcessSpec:
     t = Table(path, ROUTER, data)
     mode = t.str("mode", "regular", choices=("regular", "pd"))
     port = t.port("port")
@@ -479,6 +523,7 @@ def _router(path: Path, data: Any, servers: list[ProcessSpec], defaults: dict[st
     probe = _probe(t, ROUTER_PROBE, server=False)
     options = _options(t.table("options"), ROUTER_MANAGED)
     env = default_env + _env(t.table("env"))
+    where = cluster.placement(t, nodes, server=False)
     t.finish()
     return ProcessSpec(
         name=ROUTER,
@@ -499,6 +544,7 @@ def _router(path: Path, data: Any, servers: list[ProcessSpec], defaults: dict[st
         workers=workers,
         prefill=prefill,
         decode=decode,
+        **where,
     )
 
 
@@ -568,12 +614,14 @@ def _env(t: Table) -> tuple[tuple[str, str], ...]:
 
 
 def _check_gpus(path: Path, specs: list[ProcessSpec]) -> None:
-    owner: dict[int, str] = {}
+    owner: dict[tuple[str | None, int], str] = {}
     for s in specs:
-        for g in s.gpus:
-            if g in owner:
-                raise ConfigError(path, f"servers.{s.name}.gpus", f"GPU {g} is also used by servers.{owner[g]}")
-            owner[g] = s.name
+        for node in cluster.nodes_of(s):
+            for g in s.gpus:
+                if (node, g) in owner:
+                    on = f" on node {node!r}" if node else ""
+                    raise ConfigError(path, f"servers.{s.name}.gpus", f"GPU {g}{on} is also used by servers.{owner[node, g]}")
+                owner[node, g] = s.name
 
 
 def _hosts_overlap(a: str, b: str) -> bool:

@@ -82,6 +82,24 @@ class ProcessSpec:
     workers: tuple[str, ...] = ()
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
+    # cluster profiles only (see config/cluster.py); a single-node profile leaves them unset
+    #: the node this process (or this rank of a server spanning nodes) runs on
+    node: str | None = None
+    #: a server spanning nodes: every node it runs on, in rank order; () for one node
+    nodes: tuple[str, ...] = ()
+    node_rank: int = 0
+    #: the address the other nodes reach this process at (its node's, from [nodes])
+    address: str | None = None
+    #: a server spanning nodes: rank 0's torch.distributed rendezvous port (--dist-init-addr ADDRESS:PORT)
+    dist_init_port: int | None = None
+    dist_init_host: str | None = None
+
+    @property
+    def serves_http(self) -> bool:
+        """Only rank 0 of a server spanning nodes serves SGLang's HTTP API. The other ranks run
+        schedulers only, and SGLang gives them a dummy health server on the same --host:--port
+        (/ping, /health, /health_generate, all 200 once their schedulers are ready)."""
+        return self.node_rank == 0
 
     def option(self, key: str, default: OptionValue | None = None) -> OptionValue | None:
         for k, v in self.options:
@@ -100,7 +118,8 @@ class ProcessSpec:
 
     @property
     def url(self) -> str:
-        host = self.probe_host
+        """Where the router reaches it: on a wildcard address in a cluster, its node's address."""
+        host = self.address if self.address and self.host in ("0.0.0.0", "", "::") else self.probe_host
         return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     @property
@@ -116,6 +135,9 @@ class ProcessSpec:
 
     def listens(self) -> tuple[Listen, ...]:
         out = [Listen(self.host, self.port, self.name, f"{self.key}.port")]
+        if self.dist_init_port is not None and self.node_rank == 0:
+            # torch.distributed's TCPStore on rank 0, on every address (the other ranks dial in)
+            out.append(Listen("0.0.0.0", self.dist_init_port, f"{self.name} dist-init", f"{self.key}.dist_init_port"))
         if self.role == "prefill":
             out.append(Listen(self.host, self.bootstrap_port or 8998, f"{self.name} bootstrap",
                               f"{self.key}.options.disaggregation-bootstrap-port"))
@@ -141,9 +163,19 @@ class Profile:
     restart: RestartPolicy
     takeover: bool
     rollback: bool
+    # cluster profiles only: every node by name with its address; which node's part this is
+    # (None: the whole profile); and the processes of the other nodes, which only the router's
+    # command line and the cluster's step order look at.
+    nodes: tuple[tuple[str, str], ...] = ()
+    node: str | None = None
+    remote: tuple[ProcessSpec, ...] = ()
+
+    @property
+    def is_cluster(self) -> bool:
+        return bool(self.nodes)
 
     def process(self, name: str) -> ProcessSpec:
-        for p in self.processes:
+        for p in self.processes + self.remote:
             if p.name == name:
                 return p
         raise KeyError(name)
@@ -211,6 +243,20 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """This node's name, and where the cluster's etcd is (none: profiles that span nodes cannot
+    change, since nothing could order their steps; single-machine profiles never need it)."""
+
+    node: str = ""
+    #: etcd's v3 JSON gateway, e.g. "http://10.0.0.1:2379"; tried in order
+    etcd: tuple[str, ...] = ()
+    #: every key we write lives under it (one etcd can hold several clusters)
+    prefix: str = "/supervisord-gpu"
+    #: a node whose agent stops renewing its lease for this long is gone, and so are its claims
+    lease_ttl_s: int = 10
+
+
+@dataclass(frozen=True)
 class DaemonConfig:
     path: Path | None
     config_dir: Path
@@ -229,6 +275,7 @@ class DaemonConfig:
     gpus: GpuConfig = field(default_factory=GpuConfig)
     rehearsal: RehearsalConfig = field(default_factory=RehearsalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     @property
     def profiles_dir(self) -> Path:

@@ -69,6 +69,10 @@ def server_args(spec: ProcessSpec) -> list[str]:
     managed = ["--model-path", spec.model_path or "", "--host", spec.host, "--port", str(spec.port)]
     if spec.role in ("prefill", "decode"):
         managed += ["--disaggregation-mode", spec.role]
+    if spec.nodes:
+        host = f"[{spec.dist_init_host}]" if ":" in (spec.dist_init_host or "") else spec.dist_init_host
+        managed += ["--nnodes", str(len(spec.nodes)), "--node-rank", str(spec.node_rank),
+                    "--dist-init-addr", f"{host}:{spec.dist_init_port}"]
     return checked_once(spec, managed, render_options(spec.options))
 
 

@@ -165,6 +165,7 @@ from supervisord_gpu.rehearsal._http import (
     write_raw,
 )
 from supervisord_gpu.sglang.options import SGLANG_VERSION, parse_args
+from supervisord_gpu.rehearsal.rendezvous import Rendezvous, RendezvousError
 
 ENV_STARTUP_S = "SUPERVISORD_GPU_STANDIN_STARTUP_S"
 ENV_MIB = "SUPERVISORD_GPU_STANDIN_MIB"
@@ -692,6 +693,9 @@ class StandinServer:
         self.handler_installed_at: float | None = None
         self.term_at: float | None = None
         self.term_seen = False
+        self.nnodes = max(1, int(getattr(args, "nnodes", 1) or 1))
+        self.node_rank = int(getattr(args, "node_rank", 0) or 0)
+        self.rendezvous: Rendezvous | None = None
 
     # -- output -------------------------------------------------------------------------
 
@@ -751,7 +755,66 @@ class StandinServer:
         except StartupError as e:
             self.log(str(e), ERROR, rank=0)
             return self._exit_after_startup_error()
+        if self.node_rank > 0:
+            return self._serve_as_follower()
+        if self.rendezvous is not None:
+            self.rendezvous.watch(self._peer_lost)
         return self._serve()
+
+    # -- spanning nodes -----------------------------------------------------------------
+
+    def _meet_the_other_nodes(self) -> None:
+        """The TCPStore rendezvous, before any weight is loaded: rank 0 waits for every rank."""
+        a = self.args
+        if not a.dist_init_addr:
+            raise StartupError("--nnodes > 1 without --dist-init-addr: the ranks would never meet "
+                               "(each would wait on its own 127.0.0.1 NCCL port)")
+        self.rendezvous = Rendezvous(self.nnodes, self.node_rank, a.dist_init_addr, a.dist_timeout,
+                                     self._wait, lambda line: self.log(line, WARNING, rank=0))
+        try:
+            self.rendezvous.meet()
+        except RendezvousError as e:
+            self.crash_exception("init_torch_distributed", str(e))
+
+    def _peer_lost(self, rank: int) -> None:
+        """Rank 0: a node's ranks went away (killed, or stopped before us): the gloo group breaks."""
+        if self.term_seen:
+            return  # we are stopping anyway; the follower left first
+        self.crash_exception("event_loop_normal", f"RuntimeError: [gloo] Connection closed by peer [node rank {rank}]")
+
+    def _serve_as_follower(self) -> int:
+        """Node rank > 0: no tokenizer, no HTTP API; a dummy /health on --host:--port once its
+        schedulers are ready, then wait for rank 0. SIGTERM only says it waits for rank 0's
+        shutdown broadcast; the end comes when rank 0 goes (its connection closes)."""
+        a = self.args
+        try:
+            self.http = StandinHTTPServer(a.host, a.port, _FollowerHealthHandler)
+        except OSError as e:
+            return self._busy_port(e)
+        serve_in_thread(self.http, "dummy-health")
+        self.log(f"Dummy health check server started in background thread at {a.host}:{a.port}")
+        signal.signal(signal.SIGTERM, lambda *_: os.write(self._ctl_w, b"t"))
+        lost = threading.Event()
+
+        def rank0_gone(rank: int) -> None:
+            lost.set()
+            os.write(self._ctl_w, b"l")
+
+        assert self.rendezvous is not None
+        self.rendezvous.watch(rank0_gone)
+        while not lost.is_set():
+            ready, _, _ = select.select([self._ctl_r], [], [], None)
+            if ready:
+                data = os.read(self._ctl_r, 4096)
+                if b"t" in data and not self.term_seen:
+                    self.term_seen = True
+                    self.log("Received SIGTERM on node rank > 0; waiting for the rank-0 ShutdownReq broadcast", WARNING)
+        self._stop_children()
+        for child in self.schedulers():
+            self.log(f"Scheduler or DataParallelController {child.pid} terminated with {0 if self.term_seen else 1}")
+        self._remove_files()
+        self.http.server_close()
+        return 0
 
     def _exit_after_startup_error(self) -> int:
         self._stop_children()
@@ -947,6 +1010,8 @@ class StandinServer:
         total = max(0.0, s.startup_s)
         fault = s.fault
         self.log_ranks("Init torch distributed begin.")
+        if self.nnodes > 1:
+            self._meet_the_other_nodes()
         self._wait(total * 0.03)
         self.log_ranks("Init torch distributed ends. elapsed=0.05 s, mem usage=0.00 GB")
         avail0 = self._avail_gb(0.0)
@@ -1516,6 +1581,18 @@ class _BootstrapHandler(JSONHandler):
         self.send_json(200, {"status": "ok"})
 
     do_PUT = do_POST = do_GET
+
+
+class _FollowerHealthHandler(JSONHandler):
+    """launch_dummy_health_check_server: /ping, /health and /health_generate answer 200, nothing else."""
+
+    def do_GET(self) -> None:
+        if self.path.split("?")[0] in ("/ping", "/health", "/health_generate"):
+            self.send_empty(200)
+        else:
+            self.send_json(404, {"detail": "Not Found"})
+
+    do_POST = do_GET
 
 
 def _make_handler(app: StandinServer) -> type[JSONHandler]:

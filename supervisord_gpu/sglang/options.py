@@ -152,7 +152,7 @@ _TYPES: dict[str, Any] = {
     "--chunked-prefill-size": human_readable_int, "--max-total-tokens": human_readable_int,
     "--max-running-requests": int, "--mem-fraction-static": float, "--watchdog-timeout": float,
     "--attn-dp-size": int, "--page-size": int, "--cuda-graph-max-bs-decode": int,
-    "--cuda-graph-max-bs-prefill": int,
+    "--cuda-graph-max-bs-prefill": int, "--dist-timeout": int,
 }
 _CHOICES: dict[str, list[str]] = {
     "--disaggregation-mode": ["null", "prefill", "decode"],

@@ -1,0 +1,61 @@
+"""The cluster-wide step order of a switch: stops in the profile's order across nodes, a local
+verification on every node of the new profile, then the new servers and the router last."""
+
+from __future__ import annotations
+
+import textwrap
+
+from supervisord_gpu.cluster.plan import ClusterPlan, conflicts, plan_switch
+from supervisord_gpu.config.loader import load_daemon_config, load_profile
+from test_cluster_config import PD_ACROSS, TP_SPANNING
+
+
+def whole(tmp_path, **profiles: str):  # type: ignore[no-untyped-def]
+    (tmp_path / "profiles").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "supervisord-gpu.toml").write_text('[daemon]\ndefault_user = "root"\n[cluster]\nnode = "a"\n')
+    for name, text in profiles.items():
+        (tmp_path / "profiles" / f"{name}.toml").write_text(textwrap.dedent(text))
+    cfg = load_daemon_config(tmp_path)
+    return {name: load_profile(cfg, name, whole=True) for name in profiles}
+
+
+def steps(plan: ClusterPlan) -> list[tuple[str, list[tuple[str, tuple[str, ...]]]]]:
+    return [(s.action, [(w.node, w.processes) for w in s.work]) for s in plan.steps]
+
+
+def test_pd_to_tp_across_nodes_stops_router_then_decode_then_prefill_even_on_other_nodes(tmp_path):
+    p = whole(tmp_path, pd=PD_ACROSS, tp=TP_SPANNING)
+    plan = plan_switch(p["tp"], [p["pd"]])
+    assert plan.stopping == ("pd",)
+    assert steps(plan) == [
+        ("stop", [("a", ("router",))]),
+        ("stop", [("b", ("decode",))]),  # decode on b stops between a's router and a's prefill
+        ("stop", [("a", ("prefill",))]),
+        ("verify", [("a", ()), ("b", ())]),
+        ("start", [("a", ("big",)), ("b", ("big",))]),  # both ranks at once: rank 0 waits for rank 1
+        ("start", [("a", ("router",))]),
+    ]
+    assert "2. stop b: pd decode" in plan.render()
+
+
+def test_and_back_stops_the_spanning_server_on_both_nodes_in_one_step(tmp_path):
+    p = whole(tmp_path, pd=PD_ACROSS, tp=TP_SPANNING)
+    plan = plan_switch(p["pd"], [p["tp"]])
+    assert steps(plan) == [
+        ("stop", [("a", ("router",))]),
+        ("stop", [("a", ("big",)), ("b", ("big",))]),
+        ("verify", [("a", ()), ("b", ())]),
+        ("start", [("a", ("prefill",)), ("b", ("decode",))]),
+        ("start", [("a", ("router",))]),
+    ]
+
+
+def test_a_profile_on_other_gpus_and_ports_is_not_in_the_way_and_the_plan_survives_etcd(tmp_path):
+    elsewhere = PD_ACROSS.replace("gpus = [0, 1]", "gpus = [6, 7]").replace("port = 3100", "port = 3200").replace(
+        "prometheus-port = 31009", "prometheus-port = 32009")
+    p = whole(tmp_path, pd=PD_ACROSS, tp=TP_SPANNING, other=elsewhere)
+    assert conflicts(p["tp"], [p["other"]]) == [] and conflicts(p["tp"], [p["pd"], p["other"]]) == [p["pd"]]
+    plan = plan_switch(p["tp"], [p["other"]])
+    assert [s.action for s in plan.steps] == ["verify", "start", "start"]
+    again = ClusterPlan.from_json(plan.to_json())  # what the agents read back from the store
+    assert again == plan
