@@ -6,7 +6,7 @@ PY      ?= /usr/bin/python3
 VENV    ?= .venv
 PROFILE ?= pd-1p1d
 APT_PKGS = python3-venv python3-gi dbus libglib2.0-bin
-TEST_APT_PKGS = systemd-container debootstrap dbus prometheus
+TEST_APT_PKGS = systemd-container debootstrap dbus prometheus etcd-server
 STAMP   = $(VENV)/.installed
 
 .PHONY: rehearse test setup test-setup lint bench deb clean
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	@if [ "$$(id -u)" = 0 ] && ! dpkg -s $(APT_PKGS) >/dev/null 2>&1; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PKGS) >/dev/null; fi
 	$(PY) -m venv --system-site-packages $(VENV)
-	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[test,bench,metrics]'
+	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[test,bench,metrics,cluster]'
 	touch $@
 
 setup: $(STAMP)

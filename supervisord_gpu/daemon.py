@@ -56,7 +56,15 @@ def build_instance(cfg: DaemonConfig, profile: Profile, opts: RunOptions):  # ty
         _, rehearsal_env = prepare(cfg)
     driver = choose_driver(cfg.ownership, cfg.cgroup_root, profile.name, warn=lambda m: sink.event(m, 4))
     launches = render(profile, cfg, rehearsal_env)
-    instance = Instance(profile, launches, driver, sink, leftovers=cfg.leftovers)
+    gate = None
+    if profile.is_cluster:  # a node's part: its order against the other nodes goes through etcd
+        from .cluster.gate import ClusterGate
+        from .cluster.store import ClusterStore
+
+        gate = ClusterGate(ClusterStore(cfg.cluster), profile, cfg.cluster.node, lambda m, prio: sink.event(m, prio))
+    instance = Instance(profile, launches, driver, sink, leftovers=cfg.leftovers, gate=gate)
+    if gate is not None:
+        instance.listeners.append(gate.on_event)
     return instance, sink
 
 
@@ -115,6 +123,8 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
         registry.unregister(cfg.runtime_dir, profile.name)
+        if instance.gate is not None:
+            instance.gate.close()  # type: ignore[attr-defined]
         keepalive.cancel()
         if bus is not None:
             bus.close()

@@ -74,9 +74,12 @@ def test_each_node_runs_only_its_own_part_and_the_router_reaches_the_other_node(
     argv = list(router.argv)
     assert argv[argv.index("--decode") + 1] == "http://10.9.0.2:31001", argv  # decode is on b
     assert argv[argv.index("--prefill") + 1] == "http://10.9.0.1:31000", argv
-    assert on_a.process("router").after == ("prefill",)  # decode's readiness is the cluster's step, not a's wait
+    assert on_a.process("router").after == ("prefill",)
+    assert on_a.process("router").peers_before_start == ("b/decode",)  # waited for in etcd, not locally
+    assert on_a.process("prefill").peers_before_stop == ("b/decode",)  # router -> decode -> prefill across nodes
     on_b = load_profile(config_dir(tmp_path, PD_ACROSS, "b"), "p")
     assert [p.name for p in on_b.processes] == ["decode"] and on_b.gpus == frozenset({0, 1})
+    assert on_b.process("decode").peers_before_stop == ("a/router",) and on_b.process("decode").peers_before_start == ()
 
 
 def test_a_server_spanning_nodes_gets_one_rank_per_node_with_http_on_rank_0(tmp_path):

@@ -93,7 +93,7 @@ def test_deb_depends_only_on_packages_debian_has(deb: Path) -> None:
     assert {"python3", "python3-psutil", "python3-pydbus", "python3-gi", "python3-sdnotify", "adduser"} <= depends
     assert not any("nvidia" in d or "pynvml" in d or "tomli" in d for d in depends), depends
     assert _dpkg_field(deb, "Recommends") == "python3-pynvml, polkitd"  # polkitd: the rule for group gpusup
-    assert _dpkg_field(deb, "Suggests") == "python3-prometheus-client"
+    assert _dpkg_field(deb, "Suggests") == "python3-prometheus-client, python3-etcd3gw"  # etcd: cluster profiles only
 
 
 def test_lintian_reports_no_errors_or_warnings(deb: Path) -> None:

@@ -117,6 +117,26 @@ def _reachable_from(path: Path, server: ProcessSpec, peer: ProcessSpec) -> None:
                                                       f"{server.node!r}'s address {server.address}")
 
 
+def peer_key(node: str, process: str) -> str:
+    return f"{node}/{process}"
+
+
+def _remote_start_deps(profile: Profile, spec: ProcessSpec, local: set[str]) -> tuple[str, ...]:
+    """What `spec` waits for on other nodes: its `after` there (rank 0 answers for a spanning server)."""
+    return tuple(peer_key(profile.process(a).node or "", a) for a in spec.after if a not in local)
+
+
+def _remote_stop_deps(profile: Profile, spec: ProcessSpec, node: str) -> tuple[str, ...]:
+    """Every rank on other nodes in the stop waves before `spec`'s: router -> decode -> prefill across nodes."""
+    out: list[str] = []
+    for wave in profile.stop_waves:
+        if spec.name in wave:
+            return tuple(out)
+        for name in wave:
+            out += [peer_key(n, name) for n in nodes_of(profile.process(name)) if n is not None and n != node]
+    return tuple(out)
+
+
 def part(profile: Profile, node: str) -> Profile:
     """What `node`'s daemon runs of a cluster profile: its processes in the profile's start and
     stop order, each rank of a spanning server as that node's own process; what it waits for on
@@ -136,7 +156,9 @@ def part(profile: Profile, node: str) -> Profile:
     if not local:
         raise ConfigError(profile.path, "nodes", f"no process of this profile runs on node {node!r} (this node)")
     names = {s.name for s in local}
-    local = [replace(s, after=tuple(a for a in s.after if a in names)) for s in local]
+    local = [replace(s, after=tuple(a for a in s.after if a in names),
+                     peers_before_start=_remote_start_deps(profile, s, names),
+                     peers_before_stop=_remote_stop_deps(profile, s, node)) for s in local]
     remote = tuple(s for s in profile.processes if s.name not in names)
     return replace(profile, processes=tuple(local), stop_order=tuple(n for n in profile.stop_order if n in names),
                    node=node, remote=remote)

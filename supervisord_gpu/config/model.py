@@ -93,6 +93,11 @@ class ProcessSpec:
     #: a server spanning nodes: rank 0's torch.distributed rendezvous port (--dist-init-addr ADDRESS:PORT)
     dist_init_port: int | None = None
     dist_init_host: str | None = None
+    #: a node's part only: "NODE/PROCESS" on other nodes that must be ready before this one starts
+    #: (the router's servers there), and those that must have stopped before this one stops
+    #: (what comes earlier in the profile's stop order); the cluster gate waits on them in etcd
+    peers_before_start: tuple[str, ...] = ()
+    peers_before_stop: tuple[str, ...] = ()
 
     @property
     def serves_http(self) -> bool:

@@ -11,8 +11,9 @@ import os
 import time
 from ..records import dataclass, field
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Protocol
 
-from ..config.model import Profile
+from ..config.model import ProcessSpec, Profile
 from ..config.render import Launch
 from ..errors import StartError, SupervisorError
 from ..ownership.base import OwnershipDriver
@@ -22,6 +23,14 @@ from .states import State
 from .traffic import RouterWorkers, wait_drained
 
 Preflight = Callable[[], Awaitable[None]]
+
+
+class Gate(Protocol):
+    """Order against processes this daemon does not run (cluster/gate.py: the other nodes')."""
+
+    async def before_start(self, spec: ProcessSpec) -> None: ...
+
+    async def before_stop(self, wave: list[ProcessSpec]) -> None: ...
 
 TRAFFIC_API_TIMEOUT_S = 10.0  # the router takes a removal in well under a second
 TRAFFIC_RESTORE_TIMEOUT_S = 120.0  # its health check of the new worker costs SGLang's /health (>= 1 s), then retries
@@ -56,8 +65,10 @@ class Instance:
         sink: LogSink,
         leftovers: str = "clean",
         base_env: Mapping[str, str] | None = None,
+        gate: Gate | None = None,
     ) -> None:
         self.profile = profile
+        self.gate = gate
         self.name = profile.name
         self.owner = owner
         self.sink = sink
@@ -184,6 +195,8 @@ class Instance:
         async def bring_up(proc: ManagedProcess) -> None:
             for dep in proc.spec.after:
                 await ready[dep].wait()
+            if self.gate is not None:
+                await self.gate.before_start(proc.spec)
             await proc.start()
             await proc.wait_ready()
             ready[proc.name].set()
@@ -227,6 +240,8 @@ class Instance:
     async def _stop_all(self) -> float:
         began = time.monotonic()
         for wave in self.profile.stop_waves:
+            if self.gate is not None:
+                await self.gate.before_stop([self.processes[name].spec for name in wave])
             await asyncio.gather(*(self.processes[name].stop() for name in wave))
         self.last_stop_s = time.monotonic() - began
         self.ready_at = None

@@ -1,0 +1,142 @@
+"""The cluster gate: a node's daemon orders its processes against the other nodes' through etcd.
+
+A profile spread over nodes keeps one order, router -> decode -> prefill to stop and servers ->
+router to start, although no daemon sees the whole of it. Each daemon publishes the state of its
+own processes under `parts/INSTANCE/NODE/PROCESS`, bound to its lease; before starting a process
+it waits until what that process needs on other nodes is ready (a router waits for its decode
+server on node b), and before stopping one until what comes earlier in the stop order has
+stopped there (a prefill on node a waits for the decode on node b).
+
+Defined ends, never a hang: a start whose peer is not ready by the process's start timeout
+fails, naming the node; a stop whose peer does not report stopped in time, or whose daemon's
+lease expired (killed, partitioned), goes on after its deadline and says so, because a stop must
+always finish. etcd out of reach at start refuses the start; while running, it only costs the
+published states (said once), and the servers keep serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..config.model import ProcessSpec, Profile
+from ..engine.events import Event
+from ..errors import StartError
+from .store import ClusterStore, ClusterUnavailable
+
+STOPPED = ("stopped", "failed", "")
+WATCH_SLICE_S = 1.0
+PUBLISH_FLUSH_S = 5.0
+
+
+class ClusterGate:
+    def __init__(self, store: ClusterStore, profile: Profile, node: str, say: Callable[[str, int], None]) -> None:
+        self.store, self.profile, self.node, self.say = store, profile, node, say
+        self.lease = store.grant()  # refuses the start when etcd is out of reach: ClusterUnavailable
+        self._stop = threading.Event()
+        self._outage_said = False
+        self._renewer = threading.Thread(target=self._renew, name="etcd-lease", daemon=True)
+        self._renewer.start()
+        self._queue: list[tuple[str, dict[str, Any]]] = []
+        self._queued = threading.Condition()
+        self._publishing = threading.Thread(target=self._publisher, name="etcd-publish", daemon=True)
+        self._publishing.start()
+        for spec in profile.processes:
+            self._publish(spec.name, "stopped")
+
+    # -- our side: publishing ---------------------------------------------------------------
+
+    def on_event(self, event: Event) -> None:
+        """An instance listener: every process state change goes to etcd, in order, off the loop."""
+        if event.kind == "process" and event.process and event.state:
+            self._publish(event.process, event.state)
+
+    def _publish(self, process: str, state: str) -> None:
+        with self._queued:
+            self._queue.append((process, {"state": state, "at": time.time()}))
+            self._queued.notify()
+
+    def _publisher(self) -> None:
+        while True:
+            with self._queued:
+                while not self._queue and not self._stop.is_set():
+                    self._queued.wait(1.0)
+                if not self._queue and self._stop.is_set():
+                    return  # everything queued before close() is out
+                batch, self._queue = self._queue, []
+            for process, record in batch:
+                self._guarded(lambda p=process, r=record: self.store.publish_process(  # type: ignore[misc]
+                    self.profile.name, self.node, p, r, self.lease))
+
+    def _renew(self) -> None:
+        every = max(0.5, self.store.cfg.lease_ttl_s / 3)
+        while not self._stop.wait(every):
+            self._guarded(lambda: self.store.refresh(self.lease))
+
+    def _guarded(self, call: Callable[[], Any]) -> None:
+        try:
+            call()
+            if self._outage_said:
+                self._outage_said = False
+                self.say(f"etcd at {self.store.endpoint} is reachable again", 5)
+        except ClusterUnavailable as e:
+            if not self._outage_said:  # said once per outage; the servers keep serving
+                self._outage_said = True
+                self.say(f"{e}; the processes keep running, the cluster cannot see their state", 4)
+
+    def close(self) -> None:
+        """After the last stop: our keys go with our lease, at once rather than after the TTL."""
+        self._stop.set()
+        with self._queued:
+            self._queued.notify()
+        self._publishing.join(PUBLISH_FLUSH_S)  # the last states ("stopped") first, for whoever waits on them
+        try:
+            self.store.revoke(self.lease)
+        except ClusterUnavailable:
+            pass
+
+    # -- their side: waiting ----------------------------------------------------------------
+
+    async def before_start(self, spec: ProcessSpec) -> None:
+        if not spec.peers_before_start:
+            return
+        deadline = time.monotonic() + spec.start_timeout_s
+        self.say(f"{spec.name}: waiting for {', '.join(spec.peers_before_start)} to be ready", 6)
+        while True:
+            states = await asyncio.to_thread(self.store.process_states, self.profile.name)
+            late = [p for p in spec.peers_before_start if states.get(p) != "ready"]
+            if not late:
+                return
+            if time.monotonic() >= deadline:
+                said = ", ".join(f"{p} ({states.get(p) or 'no daemon running it'})" for p in late)
+                raise StartError(f"{spec.name}: not started: on another node, {said} was not ready "
+                                 f"within its start timeout {spec.start_timeout_s:g} s")
+            await asyncio.to_thread(self.store.watch_once, self.store.key("parts", self.profile.name),
+                                    min(WATCH_SLICE_S, max(0.05, deadline - time.monotonic())))
+
+    async def before_stop(self, wave: list[ProcessSpec]) -> None:
+        wanted = tuple(dict.fromkeys(p for spec in wave for p in spec.peers_before_stop))
+        if not wanted:
+            return
+        deadline = time.monotonic() + max(s.stop_timeout_s for s in wave) + self.store.cfg.lease_ttl_s
+        while True:
+            try:
+                states = await asyncio.to_thread(self.store.process_states, self.profile.name)
+            except ClusterUnavailable as e:
+                self.say(f"{e}; stopping {'+'.join(s.name for s in wave)} without waiting for the other nodes", 4)
+                return
+            late = [p for p in wanted if states.get(p, "") not in STOPPED]
+            if not late:
+                return
+            if time.monotonic() >= deadline:
+                self.say(f"stopping {'+'.join(s.name for s in wave)} although {', '.join(late)} did not report "
+                         f"stopped in time", 4)
+                return
+            try:
+                await asyncio.to_thread(self.store.watch_once, self.store.key("parts", self.profile.name),
+                                        min(WATCH_SLICE_S, max(0.05, deadline - time.monotonic())))
+            except ClusterUnavailable:
+                continue

@@ -1,0 +1,119 @@
+"""Two nodes' daemons on one machine, ordered through a real etcd: PD across nodes with the real
+sglang-router, started servers -> router and stopped router -> decode -> prefill although no
+daemon runs all three. Each "node" has its own config, cgroup root, runtime dir, simulated
+GPUs and loopback address; the order is read back from etcd's own history (its revisions are
+the one clock both daemons share)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from etcd_server import EtcdServer, history
+from support import CgroupSandbox, free_ports, wait_for, write_config
+
+REPO = Path(__file__).resolve().parent.parent
+ADDRESS = {"a": "127.0.0.2", "b": "127.0.0.3"}
+
+
+def pd_across(ports: list[int]) -> str:
+    p, d, r, boot, metrics = ports
+    return f"""
+        [nodes.a]
+        address = "{ADDRESS['a']}"
+        [nodes.b]
+        address = "{ADDRESS['b']}"
+        [servers.prefill]
+        node = "a"
+        role = "prefill"
+        host = "0.0.0.0"
+        gpus = [0]
+        port = {p}
+        model_path = "/models/test"
+        [servers.prefill.options]
+        disaggregation-bootstrap-port = {boot}
+        [servers.decode]
+        node = "b"
+        role = "decode"
+        host = "0.0.0.0"
+        gpus = [0]
+        port = {d}
+        model_path = "/models/test"
+        [router]
+        node = "a"
+        mode = "pd"
+        port = {r}
+        [router.options]
+        prometheus-port = {metrics}
+        """
+
+
+@pytest.fixture
+def etcd(tmp_path):  # type: ignore[no-untyped-def]
+    server = EtcdServer(tmp_path)
+    yield server
+    server.stop()
+
+
+class NodeDaemon:
+    def __init__(self, tmp: Path, node: str, profile: str, etcd: EtcdServer, cgroup_root: Path) -> None:
+        extra = f'[cluster]\nnode = "{node}"\netcd = ["{etcd.url}"]\nprefix = "/t"\nlease_ttl = 3\n'
+        self.cdir = write_config(tmp / node, {"pd": profile}, cgroup_root, startup=1.0, extra=extra, router="real")
+        self.log_path = tmp / f"{node}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisord_gpu.cli.daemon", "run", "pd", "--config-dir", str(self.cdir), "--stderr"],
+            cwd=REPO, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(90)
+
+
+def ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def test_pd_across_two_nodes_starts_and_stops_in_one_order_through_etcd(tmp_path, cgroups, etcd):
+    ports = free_ports(5)
+    other = CgroupSandbox()
+    a = b = None
+    try:
+        a = NodeDaemon(tmp_path, "a", pd_across(ports), etcd, cgroups.root)  # a first: its router must wait for b
+        wait_for(lambda: "router: waiting for b/decode to be ready" in a.log(), 30, "a's router to wait for b")
+        time.sleep(1.0)
+        assert not ok(f"http://127.0.0.1:{ports[2]}/readiness")
+        b = NodeDaemon(tmp_path, "b", pd_across(ports), etcd, other.root)
+        wait_for(lambda: "instance ready" in a.log() and "instance ready" in b.log(), 90, "both parts ready")
+        assert ok(f"http://127.0.0.1:{ports[2]}/readiness")
+        a.proc.send_signal(signal.SIGTERM)  # both told to stop at once: the order comes from etcd
+        b.proc.send_signal(signal.SIGTERM)
+        assert a.stop() == 0 and b.stop() == 0, a.log()[-2000:] + b.log()[-2000:]
+        seen = history(etcd.url, "/t/parts/pd/")
+
+        def at(key: str, state: str, after: int = -1) -> int:
+            return next(i for i, e in enumerate(seen) if e == (key, state) and i > after)
+
+        assert at("b/decode", "ready") < at("a/router", "starting"), seen
+        began = at("a/router", "stopping")
+        assert at("a/router", "stopped", began) < at("b/decode", "stopping", began), seen  # decode on b waited for a's router
+        assert at("b/decode", "stopped", began) < at("a/prefill", "stopping", began), seen  # prefill on a waited for b's decode
+        assert any(s == "" for _, s in seen[-3:]), seen  # the daemons' keys went with their leases
+    finally:
+        for d in (a, b):
+            if d is not None and d.proc.poll() is None:
+                d.proc.kill()
+        other.destroy()

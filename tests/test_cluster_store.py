@@ -1,0 +1,89 @@
+"""The cluster's store against a real etcd (Debian's etcd-server): the lock as a lease, nodes
+that vanish when their lease expires, step reports, and a clear error when etcd is away."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from etcd_server import EtcdServer
+from supervisord_gpu.cluster.store import ClusterStore, ClusterUnavailable, NodeLost, StepFailed
+from supervisord_gpu.config.model import ClusterConfig
+
+
+@pytest.fixture
+def etcd(tmp_path):  # type: ignore[no-untyped-def]
+    server = EtcdServer(tmp_path)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def store(etcd, ttl: int = 2) -> ClusterStore:  # type: ignore[no-untyped-def]
+    return ClusterStore(ClusterConfig(node="a", etcd=(etcd.url,), prefix="/test-cluster", lease_ttl_s=ttl))
+
+
+def test_the_lock_names_its_holder_and_frees_itself_when_the_holder_dies(etcd):
+    a, b = store(etcd), store(etcd)
+    lease_a, lease_b = a.grant(), b.grant()
+    me = {"node": "a", "to": "tp", "pid": 1}
+    assert a.acquire(lease_a, me) is None
+    assert b.acquire(lease_b, {"node": "b", "to": "pd", "pid": 2}) == me  # the loser is told who won
+    b.release({"node": "b", "to": "pd", "pid": 2})  # not its lock: nothing happens
+    assert a.holder() == me
+    time.sleep(3.5)  # a stops renewing (dead): its lease, and the lock with it, expire
+    assert b.holder() is None and b.acquire(lease_b := b.grant(), {"node": "b"}) is None
+    b.release({"node": "b"})
+    assert b.holder() is None
+
+
+def test_a_node_whose_agent_stops_renewing_is_gone_and_a_waiting_step_names_it(etcd):
+    s = store(etcd)
+    alive, dying = s.grant(), s.grant()
+    s.announce("a", alive, {"parts": {}})
+    s.announce("b", dying, {"parts": {}})
+    assert set(s.nodes()) == {"a", "b"}
+    s.report("t1", 1, "a", {"state": "done"}, alive)
+    t0 = time.monotonic()
+    with pytest.raises(NodeLost, match="node 'b' was lost during step 1"):
+        for _ in range(20):  # a keeps renewing, b does not; 10 s at most
+            s.refresh(alive)
+            try:
+                s.wait_step("t1", 1, ("a", "b"), time.monotonic() + 0.5)
+            except TimeoutError:
+                continue
+    assert time.monotonic() - t0 < 2 + 3  # within the TTL and one watch slice
+    assert set(s.nodes()) == {"a"}
+
+
+def test_a_step_settles_when_every_node_reported_and_a_failure_names_node_and_reason(etcd):
+    s = store(etcd, ttl=30)
+    lease = s.grant()
+    for node in ("a", "b"):
+        s.announce(node, lease, {})
+    s.report("t2", 1, "a", {"state": "done"}, lease)
+    with pytest.raises(TimeoutError, match="waiting for b"):
+        s.wait_step("t2", 1, ("a", "b"), time.monotonic() + 0.3)
+    s.report("t2", 1, "b", {"state": "done"}, lease)
+    assert set(s.wait_step("t2", 1, ("a", "b"), time.monotonic() + 5)) == {"a", "b"}
+    s.report("t2", 2, "b", {"state": "failed", "reason": "GPU 0 held by pid 4242 (user eve)"}, lease)
+    with pytest.raises(StepFailed, match="step 2 failed on node 'b': GPU 0 held by pid 4242"):
+        s.wait_step("t2", 2, ("a", "b"), time.monotonic() + 5)
+    s.put_plan("t2", {"target": "tp", "steps": []}, lease)
+    assert s.current() == ("t2", {"target": "tp", "steps": []})
+
+
+def test_etcd_out_of_reach_is_one_clear_error_naming_it(etcd):
+    s = store(etcd)
+    etcd.pause()
+    try:
+        with pytest.raises(ClusterUnavailable) as e:
+            s.holder()
+    finally:
+        etcd.resume()
+    said = str(e.value)
+    assert said.startswith(f"etcd at {etcd.url} cannot be reached (reading the transition lock): ") and "\n" not in said
+    with pytest.raises(ClusterUnavailable, match="no etcd is configured"):
+        ClusterStore(ClusterConfig(node="a"))
