@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import textwrap
 
-from supervisord_gpu.cluster.plan import ClusterPlan, conflicts, plan_switch
+from supervisord_gpu.cluster.plan import ClusterPlan, conflicts, plan_switch, start_sequence, stop_sequence
 from supervisord_gpu.config.loader import load_daemon_config, load_profile
 from test_cluster_config import PD_ACROSS, TP_SPANNING
 
@@ -23,31 +23,29 @@ def steps(plan: ClusterPlan) -> list[tuple[str, list[tuple[str, tuple[str, ...]]
     return [(s.action, [(w.node, w.processes) for w in s.work]) for s in plan.steps]
 
 
-def test_pd_to_tp_across_nodes_stops_router_then_decode_then_prefill_even_on_other_nodes(tmp_path):
+def waves(sequence) -> list[list[tuple[str, tuple[str, ...]]]]:  # type: ignore[no-untyped-def]
+    return [[(w.node, w.processes) for w in wave] for wave in sequence]
+
+
+def test_pd_to_tp_across_nodes_stops_pd_on_both_nodes_verifies_each_then_starts_tp(tmp_path):
     p = whole(tmp_path, pd=PD_ACROSS, tp=TP_SPANNING)
     plan = plan_switch(p["tp"], [p["pd"]])
     assert plan.stopping == ("pd",)
     assert steps(plan) == [
-        ("stop", [("a", ("router",))]),
-        ("stop", [("b", ("decode",))]),  # decode on b stops between a's router and a's prefill
-        ("stop", [("a", ("prefill",))]),
+        ("stop", [("a", ("prefill", "router")), ("b", ("decode",))]),
         ("verify", [("a", ()), ("b", ())]),
-        ("start", [("a", ("big",)), ("b", ("big",))]),  # both ranks at once: rank 0 waits for rank 1
-        ("start", [("a", ("router",))]),
+        ("start", [("a", ("big", "router")), ("b", ("big",))]),
     ]
-    assert "2. stop b: pd decode" in plan.render()
+    assert plan.steps[0].order == "router@a -> decode@b -> prefill@a"  # decode on b between a's router and prefill
+    assert plan.steps[2].order == "big@a + big@b -> router@a"  # both ranks at once: rank 0 waits for rank 1
+    assert "1. stop dsv4@pd on a, b\n     order: router@a -> decode@b -> prefill@a" in plan.render()
 
 
-def test_and_back_stops_the_spanning_server_on_both_nodes_in_one_step(tmp_path):
+def test_the_order_inside_each_step_is_the_profiles_own_across_nodes(tmp_path):
     p = whole(tmp_path, pd=PD_ACROSS, tp=TP_SPANNING)
-    plan = plan_switch(p["pd"], [p["tp"]])
-    assert steps(plan) == [
-        ("stop", [("a", ("router",))]),
-        ("stop", [("a", ("big",)), ("b", ("big",))]),
-        ("verify", [("a", ()), ("b", ())]),
-        ("start", [("a", ("prefill",)), ("b", ("decode",))]),
-        ("start", [("a", ("router",))]),
-    ]
+    assert waves(stop_sequence(p["pd"])) == [[("a", ("router",))], [("b", ("decode",))], [("a", ("prefill",))]]
+    assert waves(stop_sequence(p["tp"])) == [[("a", ("router",))], [("a", ("big",)), ("b", ("big",))]]
+    assert waves(start_sequence(p["pd"])) == [[("a", ("prefill",)), ("b", ("decode",))], [("a", ("router",))]]
 
 
 def test_a_profile_on_other_gpus_and_ports_is_not_in_the_way_and_the_plan_survives_etcd(tmp_path):
@@ -56,6 +54,6 @@ def test_a_profile_on_other_gpus_and_ports_is_not_in_the_way_and_the_plan_surviv
     p = whole(tmp_path, pd=PD_ACROSS, tp=TP_SPANNING, other=elsewhere)
     assert conflicts(p["tp"], [p["other"]]) == [] and conflicts(p["tp"], [p["pd"], p["other"]]) == [p["pd"]]
     plan = plan_switch(p["tp"], [p["other"]])
-    assert [s.action for s in plan.steps] == ["verify", "start", "start"]
+    assert [s.action for s in plan.steps] == ["verify", "start"]
     again = ClusterPlan.from_json(plan.to_json())  # what the agents read back from the store
     assert again == plan

@@ -36,6 +36,7 @@ INSTALLED = (
     "/usr/bin/gpusupctl",
     "/usr/bin/supervisord-gpu",
     UNIT,
+    "/lib/systemd/system/gpusup-agent.service",
     POLICY,
     *CONFFILES,
     "/usr/share/man/man1/gpusupctl.1.gz",
@@ -134,6 +135,9 @@ def test_installs_keeps_edited_conffile_on_reinstall_and_purges_clean(container,
     assert "ExecStart=/usr/bin/supervisord-gpu run %i" in c.systemctl("cat", "dsv4@tp4-512k.service").stdout
     assert c.is_active("dsv4@tp4-512k.service") == "inactive"  # installing starts nothing
     assert c.systemctl("is-enabled", "dsv4@tp4-512k.service", check=False).stdout.strip() == "disabled"
+    c.run(["systemd-analyze", "verify", "gpusup-agent.service"])  # the cluster agent: shipped, neither enabled nor started
+    assert c.systemctl("is-enabled", "gpusup-agent.service", check=False).stdout.strip() == "disabled"
+    assert c.is_active("gpusup-agent.service") == "inactive"
     gid = int(c.run(["getent", "group", "gpusup"]).stdout.split(":")[2])
     assert gid < 1000, "gpusup should be a system group"
     _name, _pw, uid, _gid, _gecos, home, shell = c.run(["getent", "passwd", "sglang"]).stdout.strip().split(":")

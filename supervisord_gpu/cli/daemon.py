@@ -19,6 +19,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--config-dir", help="configuration directory (default: $SUPERVISORD_GPU_CONFIG_DIR or /etc/supervisord-gpu)")
     run.add_argument("--rehearsal", action="store_true", help="stand-in servers on simulated GPUs (no GPU, no SGLang)")
     run.add_argument("--stderr", action="store_true", help="log to stderr even under systemd")
+    agent = sub.add_parser("agent", help="this node's cluster agent (what gpusup-agent.service runs)")
+    agent.add_argument("--config-dir", help="configuration directory (default: $SUPERVISORD_GPU_CONFIG_DIR or /etc/supervisord-gpu)")
     return p
 
 
@@ -26,11 +28,34 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
 
     def go() -> int:
+        if args.command == "agent":
+            return run_agent(args.config_dir)
         from ..daemon import RunOptions, run
 
         return run(args.name, args.config_dir, RunOptions(rehearsal=args.rehearsal, force_stderr=args.stderr))
 
     return guarded(PROG, go)
+
+
+def run_agent(config_dir: str | None) -> int:
+    """Until SIGTERM: this node in etcd, and its share of every cluster transition."""
+    import signal
+
+    from ..cluster.agent import NodeAgent, Units
+    from ..cluster.store import ClusterStore
+    from ..config.loader import load_daemon_config
+    from ..controller.preflight import inventory_for
+    from ..systemd.journal import open_sink
+    from ..systemd.notify import Notifier
+
+    cfg = load_daemon_config(config_dir)
+    sink = open_sink("agent")
+    agent = NodeAgent(cfg, ClusterStore(cfg.cluster), Units(), inventory_for(cfg, cfg.rehearsal.enabled),
+                      lambda message, priority: sink.event(message, priority))
+    signal.signal(signal.SIGTERM, lambda *_: agent.stopping.set())
+    notifier = Notifier()
+    agent.on_joined = lambda: (notifier.send("READY=1"), notifier.status(f"node {cfg.cluster.node} in etcd"))
+    return agent.run()
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """The cluster-wide step order of a switch, computed from whole profiles, before anything runs.
 
 A switch across nodes is the single-machine takeover spread over machines: stop what is in the
-way in the profile's own stop order (router -> decode -> prefill), *even when those processes
-sit on different nodes*; then let every node of the new profile verify, by its own NVML and
-socket table, that its GPUs are idle and its ports free; then start the new servers (every rank
-of a server spanning nodes at once, since rank 0 waits for the others at its rendezvous), and
-the router last. A step lists what each node does in it; the nodes of one step act in parallel,
-and no step starts before every node has reported the one before done.
+way, then let every node of the new profile verify, by its own NVML and socket table, that its
+GPUs are idle and its ports free, then start the new profile. Each step is carried out by the
+nodes' agents on their own units (`dsv4@NAME` on every node of it, at once); no step begins
+before every node has reported the one before done.
+
+Inside a step the processes keep the profile's own order *across nodes* -- router -> decode ->
+prefill to stop, servers (every rank of a spanning server at once: rank 0 waits for the others
+at its rendezvous) -> router to start -- because each node's daemon waits in etcd for the other
+nodes' processes before each of its own (cluster/gate.py). `order` says it for people.
 
 Pure data in, pure data out: the coordinator writes the plan to etcd, the per-node agents read
 their share of each step, and `gpusupctl switch --dry-run` prints it.
@@ -35,14 +38,19 @@ class Step:
     number: int
     action: Action
     work: tuple[NodeWork, ...]
+    #: the processes' cluster-wide order inside the step: "router@a -> decode@b -> prefill@a"
+    order: str = ""
 
     def nodes(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(w.node for w in self.work))
 
     def describe(self) -> str:
-        parts = [f"{w.node}: {w.instance}" + (f" {'+'.join(w.processes)}" if w.processes else "") for w in self.work]
-        what = {"stop": "stop", "verify": "verify GPUs idle and ports free on", "start": "start"}[self.action]
-        return f"{self.number}. {what} " + "; ".join(parts)
+        instance = self.work[0].instance if self.work else "?"
+        nodes = ", ".join(self.nodes())
+        what = {"stop": f"stop dsv4@{instance} on {nodes}",
+                "verify": f"verify on {nodes}: GPUs idle (NVML) and ports free, each node by itself",
+                "start": f"start dsv4@{instance} on {nodes}"}[self.action]
+        return f"{self.number}. {what}" + (f"\n     order: {self.order}" if self.order else "")
 
 
 @dataclass(frozen=True)
@@ -57,7 +65,8 @@ class ClusterPlan:
     @staticmethod
     def from_json(data: dict) -> ClusterPlan:
         steps = tuple(Step(s["number"], s["action"], tuple(NodeWork(w["node"], w["instance"], tuple(w["processes"]))
-                                                               for w in s["work"])) for s in data["steps"])
+                                                               for w in s["work"]), s.get("order", ""))
+                      for s in data["steps"])
         return ClusterPlan(data["target"], tuple(data["stopping"]), steps)
 
     def render(self) -> str:
@@ -91,19 +100,34 @@ def plan_switch(target: Profile, running: list[Profile]) -> ClusterPlan:
     """Every step of a switch to `target` (whole, not a node's part) from the `running` ones."""
     steps: list[Step] = []
 
-    def add(action: Action, work: list[NodeWork]) -> None:
+    def add(action: Action, work: list[NodeWork], order: str = "") -> None:
         if work:
-            steps.append(Step(len(steps) + 1, action, tuple(work)))
+            steps.append(Step(len(steps) + 1, action, tuple(work), order))
 
     in_the_way = conflicts(target, running)
     for old in in_the_way:
-        for wave in old.stop_waves:  # the profile's own order, across nodes: router -> decode -> prefill
-            add("stop", _per_node(old, wave))
-    add("verify", [NodeWork(n, target.name, ()) for n, _address in target.nodes
-                   if any(n in _placed(s) for s in target.processes)])
-    for wave in _start_waves(target):
-        add("start", _per_node(target, wave))
+        add("stop", _whole(old), _describe(stop_sequence(old)))
+    add("verify", [NodeWork(w.node, target.name, ()) for w in _whole(target)])
+    add("start", _whole(target), _describe(start_sequence(target)))
     return ClusterPlan(target.name, tuple(p.name for p in in_the_way), tuple(steps))
+
+
+def stop_sequence(profile: Profile) -> list[list[NodeWork]]:
+    """The stop waves across nodes: router -> decode -> prefill, each wave's work per node."""
+    return [_per_node(profile, wave) for wave in profile.stop_waves]
+
+
+def start_sequence(profile: Profile) -> list[list[NodeWork]]:
+    return [_per_node(profile, wave) for wave in _start_waves(profile)]
+
+
+def _whole(profile: Profile) -> list[NodeWork]:
+    """Every node's part of `profile`, as one unit each."""
+    return _per_node(profile, tuple(s.name for s in profile.processes))
+
+
+def _describe(waves: list[list[NodeWork]]) -> str:
+    return " -> ".join(" + ".join(f"{p}@{w.node}" for w in wave for p in w.processes) for wave in waves)
 
 
 def _per_node(profile: Profile, names: tuple[str, ...]) -> list[NodeWork]:

@@ -122,6 +122,16 @@ class ClusterStore:
         base = self.key("parts", instance) + "/"
         return {k[len(base):]: str((v or {}).get("state", "")) for k, v in self._prefix(base).items()}
 
+    def running_instances(self) -> list[str]:
+        """Instances with a live daemon whose processes are not all stopped, on any node."""
+        base = self.key("parts") + "/"
+        out: dict[str, None] = {}
+        for k, v in self._prefix(base).items():
+            instance = k[len(base):].split("/", 1)[0]
+            if str((v or {}).get("state", "")) not in ("stopped", "failed", ""):
+                out[instance] = None
+        return list(out)
+
     def watch_once(self, prefix: str, timeout: float) -> None:
         """Return at the first change under `prefix`, or after `timeout`."""
         from etcd3gw.exceptions import WatchTimedOut

@@ -68,7 +68,8 @@ class InstanceController:
         async def preflight() -> None:
             await self._acquire_lock()
             await prepare_start(self.profile, self.cfg, self.inventory, say=self._say_transition,
-                                progress=self.instance.set_transition, stopped=stopped)
+                                progress=self.instance.set_transition, stopped=stopped,
+                                cluster_gate=self.instance.gate)
             self.instance.set_transition("")
 
         try:

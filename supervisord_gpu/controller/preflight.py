@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 from ..checks.gpus import GpuInventory, open_inventory
 from ..checks.preconditions import PreconditionReport, Requirement, check, wait_until_clear
@@ -115,7 +116,7 @@ async def check_profile(profile: Profile, inventory: GpuInventory) -> Preconditi
 
 async def prepare_start(profile: Profile, cfg: DaemonConfig, inventory: GpuInventory, say: Callable[[str, int], None],
                         progress: Callable[[str], None] = lambda _m: None,
-                        stopped: list | None = None) -> list:  # type: ignore[type-arg]
+                        stopped: list | None = None, cluster_gate: Any = None) -> list:  # type: ignore[type-arg]
     """Validate, take over what is in the way, verify clear. Returns the instances stopped (for rollback).
 
     `stopped` is filled as each instance is stopped, so that a failure later on (the wait for
@@ -127,6 +128,15 @@ async def prepare_start(profile: Profile, cfg: DaemonConfig, inventory: GpuInven
     from . import takeover as transition
 
     how = await asyncio.to_thread(validate, profile, cfg)
+    if cluster_gate is not None:  # a node's part: the cluster's transition, through etcd
+        from ..cluster.coordinator import prepare_cluster_start
+
+        async def verify_here() -> None:
+            await check_profile(profile, inventory)
+            await wait_until_clear(requirement_for(profile), inventory, cfg.gpus.wait_idle_timeout_s)
+
+        await prepare_cluster_start(profile, cfg, inventory, cluster_gate, say, progress, verify_here)
+        return []
     report = await check_profile(profile, inventory)
     conflicts = await asyncio.to_thread(transition.find_conflicts, profile, cfg)
     foreign = blocking_problems(report, conflicts)

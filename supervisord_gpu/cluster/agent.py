@@ -1,0 +1,157 @@
+"""The per-node agent (`supervisord-gpu agent`, unit gpusup-agent.service): Patroni's shape.
+
+It keeps this node alive in etcd (a lease it renews; gone with it, the node is gone), watches
+for the cluster transition under way, and carries out this node's share of each of its steps on
+this node only: `systemctl stop dsv4@OLD` / `start dsv4@NEW` through systemd's D-Bus API, and
+the verification that this node's GPUs are idle by its own NVML and its ports free. It reports
+each share (done, or failed with the reason and the holders) and never starts a step before
+every node has reported the one before. It never touches another machine and never kills
+anything itself: the units' own daemons stop their processes in order (cluster/gate.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..checks.gpus import GpuInventory
+from ..checks.preconditions import wait_until_clear
+from ..config.loader import load_profile
+from ..config.model import DaemonConfig
+from ..controller.preflight import requirement_for
+from ..errors import SupervisorError
+from ..ownership.names import service_name
+from .plan import ClusterPlan, Step
+from .store import ClusterStore, ClusterUnavailable, NodeLost, StepFailed
+
+STEP_WAIT_S = 3600.0  # the previous step's own deadlines (the coordinator's) end it sooner
+
+
+class Units:
+    """This node's dsv4@ units, through systemd (the one systemd client)."""
+
+    def __init__(self) -> None:
+        from ..systemd.manager import Systemd
+
+        self.systemd = Systemd()
+
+    def stop(self, instance: str) -> str:
+        result = self.systemd.stop(service_name(instance), timeout=STEP_WAIT_S)
+        return "" if result.result in ("done", "skipped") else f"stop of {result.unit}: {result.result}"
+
+    def start(self, instance: str) -> str:
+        """Start (or join the start already under way) and wait until it is ready or failed."""
+        unit = service_name(instance)
+        result = self.systemd.start(unit, timeout=STEP_WAIT_S)
+        if result.done:
+            return ""
+        info = self.systemd.instance(instance)
+        why = info.status_text if info is not None and info.status_text else result.result
+        return f"start of {unit}: {why}"
+
+    def states(self) -> dict[str, str]:
+        return {u.instance: u.active for u in self.systemd.instances()}
+
+
+class NodeAgent:
+    def __init__(self, cfg: DaemonConfig, store: ClusterStore, units: Any, inventory: GpuInventory,
+                 say: Callable[[str, int], None]) -> None:
+        self.cfg, self.store, self.units, self.inventory, self.say = cfg, store, units, inventory, say
+        self.node = cfg.cluster.node
+        self.lease: Any = None
+        self.done: set[str] = set()
+        self.stopping = threading.Event()
+        self.on_joined: Callable[[], Any] = lambda: None  # READY=1, once this node is in etcd
+
+    # -- life ------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.lease = self.store.grant()
+        self.announce()
+        self.say(f"agent of node {self.node}: in etcd at {self.store.endpoint} (lease TTL {self.cfg.cluster.lease_ttl_s} s)", 6)
+        threading.Thread(target=self._keep_alive, name="etcd-lease", daemon=True).start()
+        self.on_joined()
+        while not self.stopping.is_set():
+            try:
+                current = self.store.current()
+                if current is not None and current[0] not in self.done:
+                    tid, plan = current
+                    self.done.add(tid)
+                    self.carry_out(tid, ClusterPlan.from_json(plan))
+                self.store.watch_once(self.store.key("current"), max(0.5, self.cfg.cluster.lease_ttl_s / 3))
+            except ClusterUnavailable as e:
+                self.say(f"{e}; no cross-node change can start, what runs keeps running", 4)
+                self.stopping.wait(2.0)
+        try:
+            self.store.revoke(self.lease)
+        except ClusterUnavailable:
+            pass
+        return 0
+
+    def _keep_alive(self) -> None:
+        every = max(0.5, self.cfg.cluster.lease_ttl_s / 3)
+        while not self.stopping.wait(every):
+            try:
+                if not self.store.refresh(self.lease):  # presumed dead meanwhile: come back as new
+                    self.lease = self.store.grant()
+                self.announce()
+            except ClusterUnavailable:
+                pass  # said by the main loop
+
+    def announce(self) -> None:
+        try:
+            parts = self.units.states()
+        except SupervisorError:
+            parts = {}
+        self.store.announce(self.node, self.lease, {"node": self.node, "pid": os.getpid(), "parts": parts,
+                                                    "at": time.time()})
+
+    # -- a transition ------------------------------------------------------------------------
+
+    def carry_out(self, tid: str, plan: ClusterPlan) -> None:
+        previous: Step | None = None
+        for step in plan.steps:
+            if self.node in step.nodes():
+                if previous is not None:
+                    try:
+                        self.store.wait_step(tid, previous.number, previous.nodes(), time.monotonic() + STEP_WAIT_S)
+                    except (StepFailed, NodeLost, TimeoutError) as e:
+                        self.say(f"transition {tid} to {plan.target} abandoned before step {step.number}: {e}", 4)
+                        return
+                self.say(f"transition {tid} to {plan.target}: step {step.number}: {step.describe().splitlines()[0]}", 6)
+                result = self.do(step)
+                self.store.report(tid, step.number, self.node, result, self.lease)
+                if result["state"] != "done":
+                    self.say(f"step {step.number} failed here: {result['reason']}", 3)
+                    return
+            previous = step
+
+    def do(self, step: Step) -> dict[str, Any]:
+        mine = [w for w in step.work if w.node == self.node]
+        try:
+            for work in mine:
+                why = ""
+                if step.action == "stop":
+                    why = self.units.stop(work.instance)
+                elif step.action == "start":
+                    why = self.units.start(work.instance)
+                else:
+                    why = self.verify(work.instance)
+                if why:
+                    return {"state": "failed", "reason": why}
+        except SupervisorError as e:
+            return {"state": "failed", "reason": str(e).splitlines()[0]}
+        return {"state": "done", "at": time.time()}
+
+    def verify(self, instance: str) -> str:
+        """This node's part of `instance`: its GPUs idle by our own NVML, its ports free."""
+        part = load_profile(self.cfg, instance)
+        try:
+            asyncio.run(wait_until_clear(requirement_for(part), self.inventory, self.cfg.gpus.wait_idle_timeout_s))
+        except SupervisorError as e:
+            return f"node {self.node}: {str(e).splitlines()[0]}"
+        return ""

@@ -1,0 +1,119 @@
+"""The start of a profile that spans nodes, on the node where it was asked for.
+
+`systemctl start dsv4@TO` (or `gpusupctl switch TO`) on any node starts that node's daemon; for
+a cluster profile its pre-flight is this instead of the single-machine takeover:
+
+1. if a cluster transition to TO is already under way (another node coordinates it, and our
+   agent started us as its step), only verify this node's GPUs and ports, then start;
+2. otherwise coordinate one: take the cluster-wide lock (a lease: it goes with us if we die;
+   a second switch waits for it, saying whose it is), compute the plan from the profiles that
+   run on the cluster now, write it, and follow it step by step as the nodes' agents carry it
+   out -- stop what is in the way, verify on every node -- then start our own part while the
+   agents start theirs. A step that fails, or a node lost on the way, fails the start naming
+   the node; what was stopped is started again (rollback), by the agents, under a lock of its
+   own so that nothing else starts in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from ..checks.gpus import GpuInventory
+from ..config.loader import load_profile
+from ..config.model import DaemonConfig, Profile
+from ..errors import PreconditionError, StartError, SupervisorError, TakeoverFailed
+from .gate import ClusterGate
+from .plan import ClusterPlan, NodeWork, Step, plan_switch
+from .store import ClusterStore, NodeLost, StepFailed
+
+STOP_STEP_DEADLINE_S = 900.0
+VERIFY_SLACK_S = 30.0
+ROLLBACK_LOCK_TTL_S = 300
+
+
+async def prepare_cluster_start(part: Profile, cfg: DaemonConfig, inventory: GpuInventory, gate: ClusterGate,
+                                say: Callable[[str, int], None], progress: Callable[[str], None],
+                                verify_locally: Callable[[], Any]) -> None:
+    store = gate.store
+    holder = await asyncio.to_thread(store.holder)
+    if holder and holder.get("to") == part.name:
+        progress(f"cluster transition to {part.name} (coordinated by node {holder.get('node')}): verifying this node")
+        await verify_locally()
+        return
+    whole = await asyncio.to_thread(load_profile, cfg, part.name, True)
+    tid = uuid.uuid4().hex[:12]
+    me = {"to": part.name, "node": cfg.cluster.node, "pid": os.getpid(), "tid": tid}
+    while (held := await asyncio.to_thread(store.acquire, gate.lease, me)) is not None:
+        progress(f"waiting for the cluster transition to {held.get('to')} (coordinated by node {held.get('node')})")
+        await asyncio.to_thread(store.watch_once, store.key("lock"), 1.0)
+    try:
+        running = [await asyncio.to_thread(load_profile, cfg, name, True)
+                   for name in await asyncio.to_thread(store.running_instances) if name != part.name]
+    except SupervisorError:
+        await asyncio.to_thread(store.release, me)
+        raise
+    plan = plan_switch(whole, running)
+    say(plan.render(), 6)
+    await asyncio.to_thread(store.put_plan, tid, plan.to_json(), gate.lease)
+    done: list[Step] = []
+    try:
+        for step in plan.steps:
+            if step.action == "start":
+                break  # ours is this daemon's own start; the agents start the other nodes' parts
+            progress(f"cluster step {step.number}/{len(plan.steps)}: {step.describe().splitlines()[0]}")
+            deadline = time.monotonic() + (STOP_STEP_DEADLINE_S if step.action == "stop"
+                                           else cfg.gpus.wait_idle_timeout_s + VERIFY_SLACK_S)
+            try:
+                await asyncio.to_thread(store.wait_step, tid, step.number, step.nodes(), deadline)
+            except TimeoutError as e:
+                raise StartError(f"cluster step {step.number} ({step.action}) {e}") from None
+            done.append(step)
+            say(f"cluster step {step.number} done on {', '.join(step.nodes())}", 6)
+    except (StepFailed, NodeLost, StartError) as e:
+        await asyncio.to_thread(roll_back, store, plan, done, me)
+        stopped = any(s.action == "stop" for s in done)
+        reason = (f"cluster transition to {part.name} failed: {e}"
+                  + (f"; rolling back: the agents start {', '.join(plan.stopping)} again" if stopped else ""))
+        raise (TakeoverFailed(reason) if stopped else PreconditionError(reason)) from None
+    asyncio.get_running_loop().create_task(_release_when_started(store, plan, tid, me, say))
+
+
+async def _release_when_started(store: ClusterStore, plan: ClusterPlan, tid: str, me: dict[str, Any],
+                                say: Callable[[str, int], None]) -> None:
+    """The lock is held until every node's part reported its start (ready or failed)."""
+    start = plan.steps[-1]
+    try:
+        await asyncio.to_thread(store.wait_step, tid, start.number, start.nodes(), time.monotonic() + 3600)
+        say(f"cluster transition to {plan.target} done: every node's part is ready", 6)
+    except SupervisorError as e:
+        say(f"cluster transition to {plan.target}: {e}", 3)
+    except TimeoutError:
+        pass
+    finally:
+        try:
+            await asyncio.to_thread(store.release, me)
+        except SupervisorError:
+            pass
+
+
+def roll_back(store: ClusterStore, plan: ClusterPlan, done: list[Step], me: dict[str, Any]) -> None:
+    """Start again what the failed transition stopped, on every node, by the agents; under a
+    lock of its own (a lease that outlives us), so that nothing else starts in between."""
+    stopped = [s for s in done if s.action == "stop"]
+    store.release(me)
+    if not stopped:
+        return
+    lease = store.grant(ROLLBACK_LOCK_TTL_S)
+    tid = uuid.uuid4().hex[:12]
+    rollback = {"to": f"rollback of {plan.target}", "node": me["node"], "pid": me["pid"], "tid": tid}
+    if store.acquire(lease, rollback) is not None:
+        return  # someone else's transition came first: it decides what runs now
+    steps: list[Step] = []
+    for s in stopped:
+        steps.append(Step(len(steps) + 1, "start", tuple(NodeWork(w.node, w.instance, w.processes) for w in s.work)))
+    store.put_plan(tid, ClusterPlan(f"rollback of {plan.target}", (), tuple(steps)).to_json(), lease)
