@@ -67,6 +67,7 @@ def history(url: str, prefix: str, quiet_s: float = 1.0) -> list[tuple[str, str]
 
     u = urlsplit(url)
     client = Etcd3Client(host=u.hostname, port=u.port, api_path="/v3/")
+    now = int(client.status()["header"]["revision"])  # up to here: the agents never fall silent
     events, cancel = client.watch_prefix(prefix, start_revision=1)
     got: queue.Queue = queue.Queue()
 
@@ -78,15 +79,29 @@ def history(url: str, prefix: str, quiet_s: float = 1.0) -> list[tuple[str, str]
 
     threading.Thread(target=drain, daemon=True).start()
     out: list[tuple[str, str]] = []
-    while True:
-        try:
-            e = got.get(timeout=quiet_s)
-        except queue.Empty:
-            break
-        kv = e["kv"]
-        key = kv["key"].decode() if isinstance(kv["key"], bytes) else kv["key"]
-        value = kv.get("value")
-        state = json.loads(value).get("state", "") if e.get("type") != "DELETE" and value else ""
-        out.append((key[len(prefix):], state))
-    cancel()
+    try:
+        while True:
+            try:
+                e = got.get(timeout=quiet_s)
+            except queue.Empty:
+                break
+            kv = e["kv"]
+            if int(kv.get("mod_revision", 0)) > now:
+                break
+            key = kv["key"].decode() if isinstance(kv["key"], bytes) else kv["key"]
+            value = kv.get("value")
+            try:
+                record = json.loads(value) if e.get("type") != "DELETE" and value else {}
+            except ValueError:
+                record = {}  # not one of our JSON records (the current transition's id)
+            out.append((key[len(prefix):], str(record.get("state", "")) if isinstance(record, dict) else ""))
+    finally:
+        cancel()
     return out
+
+
+if __name__ == "__main__":  # `python tests/etcd_server.py URL PREFIX`: the history as JSON (run inside a test host)
+    import json as _json
+    import sys as _sys
+
+    print(_json.dumps(history(_sys.argv[1], _sys.argv[2])))

@@ -54,7 +54,12 @@ def run_agent(config_dir: str | None) -> int:
                       lambda message, priority: sink.event(message, priority))
     signal.signal(signal.SIGTERM, lambda *_: agent.stopping.set())
     notifier = Notifier()
-    agent.on_joined = lambda: (notifier.send("READY=1"), notifier.status(f"node {cfg.cluster.node} in etcd"))
+
+    def joined() -> None:
+        notifier.status(f"node {cfg.cluster.node} in etcd at {agent.store.endpoint}")
+        notifier.send("READY=1")
+
+    agent.on_joined = joined
     return agent.run()
 
 

@@ -51,6 +51,7 @@ def parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="every dsv4@ instance, its processes, and a GPU summary")
     st.add_argument("name", metavar="NAME", nargs="?")
     st.add_argument("--json", action="store_true")
+    st.add_argument("--cluster", action="store_true", help="every node of the cluster (etcd): its agent, parts and processes")
     _config_arg(st)
 
     for verb, text in (("start", "start dsv4@NAME through systemd"), ("stop", "stop dsv4@NAME through systemd"),
@@ -292,6 +293,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     from ..errors import EXIT_UNREACHABLE
     from .status_view import collect, render
 
+    if args.cluster:
+        return cluster_status(args)
     data = collect(args.config_dir, args.name)
     if args.json:
         print(json.dumps(data, indent=2, default=str))
@@ -300,6 +303,33 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.name and not data["instances"]:
         return 2
     return 0 if data["bus"] else EXIT_UNREACHABLE
+
+
+def cluster_status(args: argparse.Namespace) -> int:
+    """`status --cluster`: what etcd knows: each node's agent, its units, every process's state
+    and the transition under way. etcd out of reach is said, exit 4 (the parts keep running)."""
+    from ..cluster.store import ClusterStore
+    from ..config.loader import load_daemon_config
+
+    cfg = load_daemon_config(args.config_dir)
+    store = ClusterStore(cfg.cluster)
+    nodes, holder, current = store.nodes(), store.holder(), store.current()
+    parts = {name: store.process_states(name) for name in {i for n in nodes.values() for i in (n or {}).get("parts", {})}}
+    if args.json:
+        print(json.dumps({"etcd": store.endpoint, "nodes": nodes, "processes": parts, "lock": holder,
+                          "transition": current[1] if current else None}, indent=2, default=str))
+        return 0
+    print(f"cluster in etcd at {store.endpoint} ({cfg.cluster.prefix}); this node: {cfg.cluster.node}")
+    print(f"transition: {holder.get('to')} (coordinated by node {holder.get('node')})" if holder else "transition: none")
+    for node in sorted(nodes):
+        units = (nodes[node] or {}).get("parts", {})
+        print(f"node {node}: agent pid {(nodes[node] or {}).get('pid')}; units: "
+              + (", ".join(f"dsv4@{i} {s}" for i, s in sorted(units.items())) or "none"))
+        for instance, states in sorted(parts.items()):
+            mine = {k.split("/", 1)[1]: s for k, s in states.items() if k.startswith(f"{node}/")}
+            if mine:
+                print(f"  {instance}: " + ", ".join(f"{p} {s}" for p, s in sorted(mine.items())))
+    return 0
 
 
 def cmd_unit(args: argparse.Namespace) -> int:

@@ -319,10 +319,11 @@ def resolve_gpus(args: argparse.Namespace, env: dict[str, str] | os._Environ[str
                  uuids: dict[str, int] | None = None) -> list[int]:
     """Physical GPU indices this server uses.
 
-    SGLang uses devices base_gpu_id .. base_gpu_id + world - 1 (step --gpu-id-step) of
+    SGLang uses devices base_gpu_id .. base_gpu_id + world - 1 (step --gpu-id-step; world is tp x pp
+    over --nnodes: each node runs its share of the ranks) of
     the visible ones; CUDA_VISIBLE_DEVICES maps those to physical devices.
     """
-    world = max(1, args.tp_size * args.dp_size * (args.pp_size or 1))
+    world = max(1, args.tp_size * args.dp_size * (args.pp_size or 1) // max(1, getattr(args, "nnodes", 1) or 1))
     step = args.gpu_id_step or 1
     logical = [args.base_gpu_id + i * step for i in range(world)]
     visible_text = env.get("CUDA_VISIBLE_DEVICES")

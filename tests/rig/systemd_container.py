@@ -590,8 +590,12 @@ class SystemdContainer:
         rootfs: str | os.PathLike[str] | None = None,
         name: str | None = None,
         boot_timeout: float = 60.0,
+        network_namespace: str | None = None,
     ) -> None:
         self.binds = [b if isinstance(b, Bind) else Bind(*b) for b in binds]
+        #: an `ip netns` name: the container gets that network namespace (tests/rig/network.py)
+        #: instead of the host's
+        self.network_namespace = network_namespace
         self.extra_packages = list(extra_packages)
         self.rootfs = Path(rootfs) if rootfs is not None else None
         self.name = name or f"sgt-{uuid.uuid4().hex[:10]}"
@@ -633,6 +637,7 @@ class SystemdContainer:
             "systemd-nspawn", "-b", "-D", str(self.rootfs), "-M", self.name,
             "--register=no", "--keep-unit", "--console=pipe", "--volatile=overlay",
             *(b.nspawn_arg() for b in self.binds),
+            *([f"--network-namespace-path=/run/netns/{self.network_namespace}"] if self.network_namespace else []),
         ]  # fmt: skip
         t0 = time.monotonic()
         with open(self.console_log_path, "wb") as log:

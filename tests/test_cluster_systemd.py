@@ -1,0 +1,247 @@
+"""Beyond one machine, for real: three hosts, each a real systemd 252 in its own container and
+network namespace, joined by veth pairs to a bridge only they share (tests/rig/network.py).
+Host c runs Debian's etcd; hosts a and b have our units, D-Bus policy, config and profiles
+installed (this checkout's daemon, as in tests/box.py) and the cluster agent running. The
+servers are stand-ins on simulated GPUs (each host its own); the router is the real one.
+
+What an operator does is what the tests do: `systemctl start dsv4@NAME` on node a, then
+look at both nodes, at etcd's own history (its revisions are the one clock both nodes share),
+and at a client that sent requests through the router all along.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+import time
+
+import pytest
+
+from box import REPO, install
+from support import wait_for
+
+pytestmark = [pytest.mark.systemd, pytest.mark.slow]
+PY = f"{REPO}/.venv/bin/python"
+CTL = f"{REPO}/.venv/bin/gpusupctl"
+AGENT_UNIT = "/etc/systemd/system/gpusup-agent.service"
+PREFIX = "/supervisord-gpu"
+
+PD = """
+description = "PD across two nodes"
+[nodes.a]
+address = "{a}"
+[nodes.b]
+address = "{b}"
+[servers.prefill]
+node = "a"
+role = "prefill"
+host = "0.0.0.0"
+gpus = [0, 1]
+port = 31000
+model_path = "/m"
+start_timeout = 60
+[servers.prefill.options]
+disaggregation-bootstrap-port = 31008
+[servers.decode]
+node = "b"
+role = "decode"
+host = "0.0.0.0"
+gpus = [0, 1]
+port = 31001
+model_path = "/m"
+start_timeout = 60
+[router]
+node = "a"
+mode = "pd"
+host = "0.0.0.0"
+port = 30001
+start_timeout = 60
+[router.options]
+prometheus-port = 31009
+"""
+
+TP = """
+description = "one TP4 server over two nodes"
+[nodes.a]
+address = "{a}"
+[nodes.b]
+address = "{b}"
+[servers.big]
+nodes = ["a", "b"]
+dist_init_port = 31100
+host = "0.0.0.0"
+gpus = [0, 1]
+port = 31002
+model_path = "/m"
+start_timeout = 60
+[servers.big.options]
+tp-size = 4
+[router]
+node = "a"
+host = "0.0.0.0"
+port = 30001
+start_timeout = 60
+[router.options]
+prometheus-port = 31009
+"""
+
+CLIENT = """
+import json, sys, threading, time, urllib.request
+out = open(sys.argv[1], "a", buffering=1)
+def one(i):
+    body = json.dumps({"text": f"req {i}", "sampling_params": {"max_new_tokens": 8}}).encode()
+    req = urllib.request.Request("http://127.0.0.1:30001/generate", data=body, headers={"Content-Type": "application/json"})
+    t0 = time.time()
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            r.read()
+            out.write(json.dumps({"i": i, "t0": t0, "t1": time.time(), "status": r.status}) + "\\n")
+    except urllib.error.HTTPError as e:
+        out.write(json.dumps({"i": i, "t0": t0, "t1": time.time(), "status": e.code}) + "\\n")
+    except Exception as e:
+        out.write(json.dumps({"i": i, "t0": t0, "t1": time.time(), "error": type(e).__name__ + ": " + str(e)[:200]}) + "\\n")
+i = 0
+while True:
+    threading.Thread(target=one, args=(i,), daemon=True).start()
+    i += 1
+    time.sleep(0.1)
+"""
+
+
+class Cluster:
+    def __init__(self, make, net) -> None:  # type: ignore[no-untyped-def]
+        from rig.systemd_container import Bind, repo_binds
+
+        etcd = shutil.which("etcd") or "/usr/bin/etcd"
+        self.net = net
+        ns = {name: net.add(name) for name in ("a", "b", "c")}
+        self.addr = {name: net.address(name) for name in ns}
+        self.c = make(network_namespace=ns["c"], binds=[*repo_binds(), Bind(etcd, "/usr/local/bin/etcd", True)])
+        self.start_etcd()
+        self.nodes = {name: make(network_namespace=ns[name]) for name in ("a", "b")}
+        for name, ctr in self.nodes.items():
+            install(ctr, startup=1.0)
+            ctr.write_file("/etc/supervisord-gpu/supervisord-gpu.toml",
+                           ctr.run(["cat", "/etc/supervisord-gpu/supervisord-gpu.toml"]).stdout
+                           + f'\n[cluster]\nnode = "{name}"\netcd = ["{self.etcd_url}"]\nlease_ttl = 3\n')
+            for profile, text in (("pd", PD), ("tp", TP)):
+                ctr.write_file(f"/etc/supervisord-gpu/profiles/{profile}.toml", text.format(**self.addr))
+            unit = (REPO / "units" / "gpusup-agent.service").read_text()
+            unit = unit.replace("ExecStart=/usr/bin/supervisord-gpu agent", f"ExecStart={REPO}/.venv/bin/supervisord-gpu agent")
+            ctr.write_file(AGENT_UNIT, unit.replace("\n[Install]", f"\nBindReadOnlyPaths={REPO}\n\n[Install]", 1))
+            ctr.daemon_reload()
+            if ctr.systemctl("start", "gpusup-agent", check=False).returncode != 0:
+                raise AssertionError(f"the agent of {name} did not start:\n" + ctr.journal("gpusup-agent*")[-3000:])
+            # a decoy with a matching command line on each node: nothing may ever touch it
+            ctr.run(["systemd-run", "--unit=decoy", "--", "python3", "-c", "import time; time.sleep(86400)",
+                     "sglang.launch_server", "--port", "31000", "launch_server.*3000[01]"])
+
+    @property
+    def etcd_url(self) -> str:
+        return f"http://{self.addr['c']}:2379"
+
+    def start_etcd(self) -> None:
+        self.c.run(["systemd-run", "--unit=etcd", "-p", "Type=notify", "--", "/usr/local/bin/etcd", "--name", "c",
+                    "--data-dir", "/var/lib/etcd-test", "--listen-client-urls", f"{self.etcd_url},http://127.0.0.1:2379",
+                    "--advertise-client-urls", self.etcd_url, "--listen-peer-urls", "http://127.0.0.1:2380"], timeout=60)
+
+    def stop_etcd(self) -> None:
+        self.c.systemctl("stop", "etcd")
+
+    def history(self) -> list[tuple[str, str]]:
+        out = self.nodes["a"].run([PY, f"{REPO}/tests/etcd_server.py", self.etcd_url, PREFIX + "/"], timeout=60).stdout
+        return [tuple(e) for e in json.loads(out)]  # type: ignore[misc]
+
+    def active(self, instance: str) -> dict[str, str]:
+        return {name: ctr.is_active(f"dsv4@{instance}") for name, ctr in self.nodes.items()}
+
+    def decoys_alive(self) -> bool:
+        return all(ctr.is_active("decoy") == "active" for ctr in self.nodes.values())
+
+
+@pytest.fixture
+def cluster(fresh_systemd_container):  # type: ignore[no-untyped-def]
+    from rig.network import TestNetwork
+
+    net = TestNetwork()
+    try:
+        yield Cluster(fresh_systemd_container, net)
+    finally:
+        net.close()
+
+
+def first(seen: list[tuple[str, str]], key: str, state: str, after: int = -1) -> int:
+    return next(i for i, e in enumerate(seen) if i > after and e[0] == key and e[1] == state)
+
+
+def test_pd_across_two_nodes_then_tp_over_both_and_back_in_order_without_cutting_a_request(cluster):
+    a, b = cluster.nodes["a"], cluster.nodes["b"]
+    a.systemctl("start", "dsv4@pd", timeout=180)  # on a alone: b's part is started by b's agent
+    assert cluster.active("pd") == {"a": "active", "b": "active"}
+    a.write_file("/root/client.py", textwrap.dedent(CLIENT))
+    a.run(["systemd-run", "--unit=client", "--", PY, "/root/client.py", "/root/requests.jsonl"])
+    wait_for(lambda: a.run(["sh", "-c", "grep -c '\"status\": 200' /root/requests.jsonl || true"]).stdout.strip() not in ("", "0"),
+             30, "requests through the router")
+
+    a.systemctl("start", "dsv4@tp", timeout=300)
+    assert cluster.active("tp") == {"a": "active", "b": "active"}
+    assert cluster.active("pd") == {"a": "inactive", "b": "inactive"}
+    seen = cluster.history()
+    began = first(seen, "parts/pd/a/router", "stopping")
+    # the stop order across nodes: router on a, then decode on b, then prefill on a
+    assert first(seen, "parts/pd/a/router", "stopped", began) < first(seen, "parts/pd/b/decode", "stopping", began), seen
+    assert first(seen, "parts/pd/b/decode", "stopped", began) < first(seen, "parts/pd/a/prefill", "stopping", began), seen
+    # each node verified its GPUs and ports (step 2) before anything of tp started anywhere
+    verified = max(i for i, (k, s) in enumerate(seen) if "/steps/2/" in k and s == "done")
+    assert verified < min(i for i, (k, s) in enumerate(seen) if k.startswith("parts/tp/") and s == "starting"), seen
+
+    a.systemctl("start", "dsv4@pd", timeout=300)  # and back
+    assert cluster.active("pd") == {"a": "active", "b": "active"} and cluster.active("tp") == {"a": "inactive", "b": "inactive"}
+    a.systemctl("stop", "client")
+    lines = [json.loads(x) for x in a.run(["cat", "/root/requests.jsonl"]).stdout.splitlines()]
+    served = [r for r in lines if r.get("status") == 200]
+    # Turned away at the door is not a cut: no router listening (connection refused), or the new
+    # router up before its workers (503 "no available workers"; it is not ready yet). A cut is a
+    # request some router took and then did not answer: a reset, a time-out, a 500/502/504.
+    at_the_door = [r for r in lines if r.get("status") == 503 or "refused" in r.get("error", "").lower()]
+    cut = [r for r in lines if r.get("status") != 200 and r not in at_the_door]
+    assert len(served) > 10 and not cut, (len(served), len(at_the_door), cut[:5])
+    assert cluster.decoys_alive()
+
+
+def test_etcd_away_keeps_the_running_parts_and_refuses_a_switch_touching_nothing(cluster):
+    a = cluster.nodes["a"]
+    a.systemctl("start", "dsv4@pd", timeout=180)
+    cluster.stop_etcd()
+    time.sleep(5)  # past the lease TTL: the daemons cannot renew
+    assert cluster.active("pd") == {"a": "active", "b": "active"}
+    assert a.run(["curl", "-sf", "-o", "/dev/null", "-w", "%{http_code}", "http://127.0.0.1:30001/readiness"],
+                 check=False).stdout == "200"
+    r = a.run([CTL, "status", "--cluster"], check=False)
+    assert r.returncode == 4 and f"etcd at {cluster.etcd_url} cannot be reached" in r.stdout + r.stderr, r
+    r = a.systemctl("start", "dsv4@tp", check=False, timeout=120)
+    assert r.returncode != 0
+    status = a.systemctl("show", "-P", "StatusText", "dsv4@tp").stdout
+    assert f"etcd at {cluster.etcd_url} cannot be reached" in status, status
+    assert cluster.active("pd") == {"a": "active", "b": "active"}
+    assert cluster.decoys_alive()
+
+
+def test_a_node_lost_mid_transition_fails_it_naming_the_node(cluster):
+    a, b = cluster.nodes["a"], cluster.nodes["b"]
+    a.systemctl("start", "dsv4@pd", timeout=180)
+    b.write_file("/etc/systemd/system/gpusup-agent.service.d/test.conf", "[Service]\nRestart=no\n")
+    b.daemon_reload()
+    # a foreign process holds GPU 0 on b, so b's verification waits (and names it)
+    b.run(["systemd-run", "--unit=holder", "--", PY, "-c",
+           "import os, time; from supervisord_gpu.checks.simgpu import SimulatedGpus; "
+           "SimulatedGpus('/run/supervisord-gpu/simgpu').hold([0], 50000); time.sleep(3600)"])
+    a.systemctl("start", "--no-block", "dsv4@tp")
+    wait_for(lambda: "cluster step 2/3" in a.systemctl("show", "-P", "StatusText", "dsv4@tp").stdout, 120,
+             "the transition to reach the verification")
+    b.systemctl("kill", "--signal=KILL", "gpusup-agent")
+    wait_for(lambda: a.is_active("dsv4@tp") in ("failed", "inactive"), 60, "the transition to fail")
+    status = a.systemctl("show", "-P", "StatusText", "dsv4@tp").stdout
+    assert "node 'b' was lost" in status, status
+    assert cluster.decoys_alive()
