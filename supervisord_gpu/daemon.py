@@ -71,8 +71,13 @@ def build_instance(cfg: DaemonConfig, profile: Profile, opts: RunOptions):  # ty
 async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
     """Run one instance through its controller until it stops; returns the daemon's exit status."""
     loop = asyncio.get_running_loop()
-    instance, sink = build_instance(cfg, profile, opts)
     notifier = opts.notifier or Notifier(stall_s=cfg.start_stall_timeout_s)
+    try:
+        instance, sink = build_instance(cfg, profile, opts)
+    except SupervisorError as e:  # etcd out of reach for a node's part: nothing started, said in STATUS=
+        notifier.status(f"failed: {str(e).splitlines()[0]}")
+        notifier.barrier()
+        raise
     notifier.attach(instance)
     instance.listeners.extend(opts.listeners)
     sink.event(

@@ -243,5 +243,25 @@ def test_a_node_lost_mid_transition_fails_it_naming_the_node(cluster):
     b.systemctl("kill", "--signal=KILL", "gpusup-agent")
     wait_for(lambda: a.is_active("dsv4@tp") in ("failed", "inactive"), 60, "the transition to fail")
     status = a.systemctl("show", "-P", "StatusText", "dsv4@tp").stdout
-    assert "node 'b' was lost" in status, status
+    assert "node 'b' was lost" in status and "rolling back" in status, status
+    assert b.is_active("dsv4@tp") == "inactive"  # never started where the node was lost
+    # rollback where it can: a's agent starts a's part of pd again (b's cannot: its agent is gone)
+    wait_for(lambda: a.is_active("dsv4@pd") in ("activating", "active"), 30, "a's part of pd to be started again")
+    assert cluster.decoys_alive()
+
+
+def test_etcd_lost_during_a_switch_ends_it_saying_so_and_starts_nothing_new(cluster):
+    a, b = cluster.nodes["a"], cluster.nodes["b"]
+    a.systemctl("start", "dsv4@pd", timeout=180)
+    b.run(["systemd-run", "--unit=holder", "--", PY, "-c",  # b's verification waits on a holder...
+           "import time; from supervisord_gpu.checks.simgpu import SimulatedGpus; "
+           "SimulatedGpus('/run/supervisord-gpu/simgpu').hold([0], 50000); time.sleep(3600)"])
+    a.systemctl("start", "--no-block", "dsv4@tp")
+    wait_for(lambda: "cluster step 2/3" in a.systemctl("show", "-P", "StatusText", "dsv4@tp").stdout, 120,
+             "the transition to reach the verification")
+    cluster.stop_etcd()  # ...while etcd goes away
+    wait_for(lambda: a.is_active("dsv4@tp") in ("failed", "inactive"), 60, "the transition to end")
+    status = a.systemctl("show", "-P", "StatusText", "dsv4@tp").stdout
+    assert f"etcd at {cluster.etcd_url} cannot be reached" in status, status
+    assert cluster.active("tp") == {"a": a.is_active("dsv4@tp"), "b": "inactive"}
     assert cluster.decoys_alive()
