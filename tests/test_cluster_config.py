@@ -145,3 +145,26 @@ def test_a_single_machine_profile_is_unchanged_and_needs_no_cluster(tmp_path):
         profile = load_profile(cfg, name)
         assert not profile.is_cluster and profile.remote == () and all(p.node is None for p in profile.processes)
         assert all("--nnodes" not in launch.argv for launch in render(profile, cfg))
+
+
+def test_a_cluster_profile_without_etcd_is_refused_naming_the_daemon_config_key(tmp_path, capsys):
+    config_dir(tmp_path, PD_ACROSS)
+    assert gpusupctl.main(["check", "p", "--config-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "supervisord-gpu.toml: cluster.etcd: is required: profile p spans nodes" in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("cluster, key, words", [
+    ('etcd = ["10.0.0.1:2379"]', "cluster.etcd[0]", 'must be an etcd URL like "http://10.0.0.1:2379"'),
+    ('node = "Node_A"', "cluster.node", "must be a host name label"),
+    ("lease_ttl = 1", "cluster.lease_ttl", ""),
+    ('prefix = "no-slash"', "cluster.prefix", "must be a key path"),
+    ("etcd_url = 1", "cluster.etcd_url", ""),
+])
+def test_a_bad_cluster_table_is_one_line_naming_its_key(tmp_path, capsys, cluster, key, words):
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "supervisord-gpu.toml").write_text(f'[daemon]\ndefault_user = "root"\n[cluster]\n{cluster}\n')
+    (tmp_path / "profiles" / "p.toml").write_text(textwrap.dedent(PD_ACROSS))
+    assert gpusupctl.main(["check", "p", "--config-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"supervisord-gpu.toml: {key}: " in err and words in err and len(err.splitlines()) == 1, err

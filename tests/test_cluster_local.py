@@ -1,8 +1,10 @@
-"""Two nodes' daemons on one machine, ordered through a real etcd: PD across nodes with the real
-sglang-router, started servers -> router and stopped router -> decode -> prefill although no
-daemon runs all three. Each "node" has its own config, cgroup root, runtime dir, simulated
-GPUs and loopback address; the order is read back from etcd's own history (its revisions are
-the one clock both daemons share)."""
+"""The cluster gate: two nodes' daemons on one machine, ordered through a real etcd. PD across
+nodes with the real sglang-router starts servers -> router and stops router -> decode ->
+prefill although no daemon runs all three. Each "node" has its own config, cgroup root,
+runtime dir, simulated GPUs and loopback address; the order is read back from etcd's own
+history (its revisions are the one clock both daemons share). The test holds the cluster lock
+for pd as a coordinator would (no agents here: tests/test_cluster_systemd.py has them), so
+both daemons start as participants of that transition."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from etcd_server import EtcdServer, history
+from supervisord_gpu.cluster.store import ClusterStore
+from supervisord_gpu.config.model import ClusterConfig
 from support import CgroupSandbox, free_ports, wait_for, write_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -89,6 +93,8 @@ def ok(url: str) -> bool:
 
 def test_pd_across_two_nodes_starts_and_stops_in_one_order_through_etcd(tmp_path, cgroups, etcd):
     ports = free_ports(5)
+    store = ClusterStore(ClusterConfig(node="t", etcd=(etcd.url,), prefix="/t", lease_ttl_s=30))
+    assert store.acquire(store.grant(), {"to": "pd", "starting": ["pd"], "node": "t", "tid": "t1"}) is None
     other = CgroupSandbox()
     a = b = None
     try:

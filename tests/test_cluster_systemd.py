@@ -125,7 +125,9 @@ class Cluster:
             ctr.write_file("/etc/supervisord-gpu/supervisord-gpu.toml",
                            ctr.run(["cat", "/etc/supervisord-gpu/supervisord-gpu.toml"]).stdout
                            + f'\n[cluster]\nnode = "{name}"\netcd = ["{self.etcd_url}"]\nlease_ttl = 3\n')
-            for profile, text in (("pd", PD), ("tp", TP)):
+            bad = TP.replace("[servers.big.options]", '[servers.big.env]\nSUPERVISORD_GPU_STANDIN_FAULT = "crash-on-start"\n'
+                                                      "[servers.big.options]")
+            for profile, text in (("pd", PD), ("tp", TP), ("tpbad", bad)):
                 ctr.write_file(f"/etc/supervisord-gpu/profiles/{profile}.toml", text.format(**self.addr))
             unit = (REPO / "units" / "gpusup-agent.service").read_text()
             unit = unit.replace("ExecStart=/usr/bin/supervisord-gpu agent", f"ExecStart={REPO}/.venv/bin/supervisord-gpu agent")
@@ -155,6 +157,10 @@ class Cluster:
 
     def active(self, instance: str) -> dict[str, str]:
         return {name: ctr.is_active(f"dsv4@{instance}") for name, ctr in self.nodes.items()}
+
+    def journals(self) -> str:
+        return "\n".join(f"--- {n}: agent\n{c.journal('gpusup-agent*')[-3000:]}\n--- {n}: dsv4@*\n"
+                         f"{c.journal('dsv4@*', '-p', 'info')[-4000:]}" for n, c in self.nodes.items())
 
     def decoys_alive(self) -> bool:
         return all(ctr.is_active("decoy") == "active" for ctr in self.nodes.values())
@@ -207,6 +213,21 @@ def test_pd_across_two_nodes_then_tp_over_both_and_back_in_order_without_cutting
     at_the_door = [r for r in lines if r.get("status") == 503 or "refused" in r.get("error", "").lower()]
     cut = [r for r in lines if r.get("status") != 200 and r not in at_the_door]
     assert len(served) > 10 and not cut, (len(served), len(at_the_door), cut[:5])
+    assert cluster.decoys_alive()
+
+
+def test_a_switch_whose_new_servers_fail_rolls_back_on_every_node(cluster):
+    a = cluster.nodes["a"]
+    a.systemctl("start", "dsv4@pd", timeout=180)
+    r = a.systemctl("start", "dsv4@tpbad", check=False, timeout=300)
+    assert r.returncode != 0
+    status = a.systemctl("show", "-P", "StatusText", "dsv4@tpbad").stdout
+    assert "rolling back: the agents stop tpbad on every node and start pd again" in status, status
+    try:
+        wait_for(lambda: cluster.active("pd") == {"a": "active", "b": "active"}, 120, "pd back on both nodes")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {cluster.active('pd')}\n" + cluster.journals()) from None
+    assert cluster.active("tpbad") == {"a": "failed", "b": "inactive"} or "active" not in cluster.active("tpbad").values()
     assert cluster.decoys_alive()
 
 

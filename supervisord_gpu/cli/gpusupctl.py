@@ -391,6 +391,8 @@ def cmd_switch(args: argparse.Namespace) -> int:
     # A profile that would fail stops here, before anything is touched; a dry run still shows
     # the plan on a machine without the model (a missing path is then a warning).
     how = validate(profile, cfg, warn=(lambda m: print(m, file=sys.stderr)) if args.dry_run else None)
+    if profile.is_cluster:
+        return _switch_cluster(args)
     try:
         Systemd()
         systemd = True
@@ -410,6 +412,23 @@ def cmd_switch(args: argparse.Namespace) -> int:
         raise BusError("switch needs systemd over D-Bus; without systemd, run `supervisord-gpu run "
                        f"{args.to}`: it takes over instances registered in {cfg.runtime_dir}")
     print(plan.render())
+    return _run_unit_job("start", args.to, args.wait, args.timeout)
+
+
+def _switch_cluster(args: argparse.Namespace) -> int:
+    """A profile that spans nodes: the plan from what runs on the cluster now (etcd); then this
+    node's `systemctl start dsv4@TO`, whose daemon coordinates the switch through the agents."""
+    from ..cluster.plan import plan_switch
+    from ..cluster.store import ClusterStore
+    from ..config.loader import load_daemon_config, load_profile
+
+    cfg = load_daemon_config(args.config_dir)
+    store = ClusterStore(cfg.cluster)
+    whole = load_profile(cfg, args.to, whole=True)
+    running = [load_profile(cfg, name, whole=True) for name in store.running_instances() if name != args.to]
+    print(plan_switch(whole, running).render())
+    if args.dry_run:
+        return 0
     return _run_unit_job("start", args.to, args.wait, args.timeout)
 
 

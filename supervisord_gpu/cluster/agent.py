@@ -129,6 +129,18 @@ class NodeAgent:
                     self.say(f"step {step.number} failed here: {result['reason']}", 3)
                     return
             previous = step
+        self._release_if_finished(tid, plan)
+
+    def _release_if_finished(self, tid: str, plan: ClusterPlan) -> None:
+        """A plan nobody coordinates any more (a rollback) ends with its last step: whoever
+        sees every node's report of it frees the lock, if the lock is still that plan's."""
+        holder = self.store.holder()
+        if not holder or holder.get("tid") != tid or not plan.steps or not holder.get("to", "").startswith("rollback"):
+            return
+        last = plan.steps[-1]
+        if set(self.store.reports(tid, last.number)) >= set(last.nodes()):
+            self.store.release(holder)
+            self.say(f"{plan.target}: done on {', '.join(last.nodes())}; cluster lock released", 6)
 
     def do(self, step: Step) -> dict[str, Any]:
         mine = [w for w in step.work if w.node == self.node]

@@ -23,6 +23,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from ..records import dataclass
+
 from ..checks.gpus import GpuInventory
 from ..config.loader import load_profile
 from ..config.model import DaemonConfig, Profile
@@ -41,13 +43,13 @@ async def prepare_cluster_start(part: Profile, cfg: DaemonConfig, inventory: Gpu
                                 verify_locally: Callable[[], Any]) -> None:
     store = gate.store
     holder = await asyncio.to_thread(store.holder)
-    if holder and holder.get("to") == part.name:
+    if holder and part.name in holder.get("starting", ()):
         progress(f"cluster transition to {part.name} (coordinated by node {holder.get('node')}): verifying this node")
         await verify_locally()
         return
     whole = await asyncio.to_thread(load_profile, cfg, part.name, True)
     tid = uuid.uuid4().hex[:12]
-    me = {"to": part.name, "node": cfg.cluster.node, "pid": os.getpid(), "tid": tid}
+    me = {"to": part.name, "starting": [part.name], "node": cfg.cluster.node, "pid": os.getpid(), "tid": tid}
     while (held := await asyncio.to_thread(store.acquire, gate.lease, me)) is not None:
         progress(f"waiting for the cluster transition to {held.get('to')} (coordinated by node {held.get('node')})")
         await asyncio.to_thread(store.watch_once, store.key("lock"), 1.0)
@@ -75,12 +77,32 @@ async def prepare_cluster_start(part: Profile, cfg: DaemonConfig, inventory: Gpu
             done.append(step)
             say(f"cluster step {step.number} done on {', '.join(step.nodes())}", 6)
     except (StepFailed, NodeLost, StartError) as e:
-        await asyncio.to_thread(roll_back, store, plan, done, me)
+        await asyncio.to_thread(roll_back, store, plan, done, me, False)
         stopped = any(s.action == "stop" for s in done)
         reason = (f"cluster transition to {part.name} failed: {e}"
                   + (f"; rolling back: the agents start {', '.join(plan.stopping)} again" if stopped else ""))
         raise (TakeoverFailed(reason) if stopped else PreconditionError(reason)) from None
+    gate.transition = Transition(plan, tuple(done), me)
     asyncio.get_running_loop().create_task(_release_when_started(store, plan, tid, me, say))
+
+
+@dataclass(frozen=True)
+class Transition:
+    """What the coordinating daemon remembers of the transition it led, for a rollback."""
+
+    plan: ClusterPlan
+    done: tuple[Step, ...]
+    me: dict[str, Any]
+
+
+def roll_back_failed_start(gate: ClusterGate) -> str:
+    """Our own start failed after the transition had stopped what was in the way: the agents
+    stop the new profile's parts everywhere, then start the old ones again. Returns what is said."""
+    t: Transition | None = gate.transition
+    if t is None or not any(s.action == "stop" for s in t.done):
+        return ""
+    roll_back(gate.store, t.plan, list(t.done), t.me, True)
+    return f"rolling back: the agents stop {t.plan.target} on every node and start {', '.join(t.plan.stopping)} again"
 
 
 async def _release_when_started(store: ClusterStore, plan: ClusterPlan, tid: str, me: dict[str, Any],
@@ -101,19 +123,23 @@ async def _release_when_started(store: ClusterStore, plan: ClusterPlan, tid: str
             pass
 
 
-def roll_back(store: ClusterStore, plan: ClusterPlan, done: list[Step], me: dict[str, Any]) -> None:
-    """Start again what the failed transition stopped, on every node, by the agents; under a
-    lock of its own (a lease that outlives us), so that nothing else starts in between."""
+def roll_back(store: ClusterStore, plan: ClusterPlan, done: list[Step], me: dict[str, Any], stop_target: bool) -> None:
+    """Start again what the failed transition stopped, on every node, by the agents (after
+    stopping the new profile's parts, when they had started); under a lock of its own (a lease
+    that outlives us), so that nothing else starts in between."""
     stopped = [s for s in done if s.action == "stop"]
     store.release(me)
     if not stopped:
         return
     lease = store.grant(ROLLBACK_LOCK_TTL_S)
     tid = uuid.uuid4().hex[:12]
-    rollback = {"to": f"rollback of {plan.target}", "node": me["node"], "pid": me["pid"], "tid": tid}
+    rollback = {"to": f"rollback of {plan.target}", "starting": [s.work[0].instance for s in stopped],
+                "node": me["node"], "pid": me["pid"], "tid": tid}
     if store.acquire(lease, rollback) is not None:
         return  # someone else's transition came first: it decides what runs now
     steps: list[Step] = []
+    if stop_target:
+        steps.append(Step(1, "stop", plan.steps[-1].work))
     for s in stopped:
         steps.append(Step(len(steps) + 1, "start", tuple(NodeWork(w.node, w.instance, w.processes) for w in s.work)))
     store.put_plan(tid, ClusterPlan(f"rollback of {plan.target}", (), tuple(steps)).to_json(), lease)

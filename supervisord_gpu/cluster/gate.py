@@ -35,6 +35,8 @@ PUBLISH_FLUSH_S = 5.0
 class ClusterGate:
     def __init__(self, store: ClusterStore, profile: Profile, node: str, say: Callable[[str, int], None]) -> None:
         self.store, self.profile, self.node, self.say = store, profile, node, say
+        #: set by the coordinator (cluster/coordinator.py) when this daemon led the transition
+        self.transition: Any = None
         self.lease = store.grant()  # refuses the start when etcd is out of reach: ClusterUnavailable
         self._stop = threading.Event()
         self._outage_said = False

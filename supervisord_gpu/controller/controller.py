@@ -101,6 +101,15 @@ class InstanceController:
     async def _after_failed_start(self, error: SupervisorError, stopped: list[takeover.Conflict]) -> Outcome:
         """The reason, and, after a takeover, the rollback and its outcome: in STATUS= and the journal."""
         reason = str(error).splitlines()[0]  # the instance has logged the whole error already
+        if self.instance.gate is not None and not isinstance(error, TakeoverFailed):
+            from ..cluster.coordinator import roll_back_failed_start
+
+            said = await asyncio.to_thread(roll_back_failed_start, self.instance.gate)  # type: ignore[arg-type]
+            if said:
+                reason = f"{reason} (cluster transition; {said})"
+                self.say(f"rollback: {said}", 4, "rollback")
+                self.instance.fail(reason)
+                return Outcome.of(TakeoverFailed(reason), reason)
         if not stopped:
             self.instance.fail(reason)
             return Outcome.of(error, reason)

@@ -61,6 +61,9 @@ def validate(profile: Profile, cfg: DaemonConfig, warn: Callable[[str], None] | 
     from ..sglang.flags import check_profile_flags
 
     render(profile, cfg)  # users exist; each flag the profile manages appears once
+    if profile.is_cluster and not cfg.cluster.etcd:
+        raise ConfigError(cfg.path or cfg.config_dir, "cluster.etcd", f"is required: profile {profile.name} spans nodes "
+                          "(it has [nodes]), and only etcd can order its steps across them")
     checks = check_profile_flags(profile, use_real=False if cfg.rehearsal.enabled else None)
     for c in checks:
         if not c.ok:
