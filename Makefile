@@ -1,6 +1,7 @@
 # supervisord-gpu: the two set-up commands of the README, and what they need.
 #   make rehearse   rehearse pd-1p1d with stand-in servers on simulated GPUs (no GPU needed)
 #   make test       the whole test suite (what CI runs)
+#   make rehearse-cluster   the same rehearsal across three hosts (containers) with etcd
 
 PY      ?= /usr/bin/python3
 VENV    ?= .venv
@@ -9,7 +10,7 @@ APT_PKGS = python3-venv python3-gi dbus libglib2.0-bin
 TEST_APT_PKGS = systemd-container debootstrap dbus prometheus etcd-server
 STAMP   = $(VENV)/.installed
 
-.PHONY: rehearse test setup test-setup lint bench deb clean
+.PHONY: rehearse rehearse-cluster test setup test-setup lint bench deb clean
 
 $(STAMP): pyproject.toml
 	@if [ "$$(id -u)" = 0 ] && ! dpkg -s $(APT_PKGS) >/dev/null 2>&1; then \
@@ -31,6 +32,11 @@ rehearse: $(STAMP)
 	@if [ "$$(id -u)" = 0 ] && ! getent passwd $(SERVER_USER) >/dev/null; then \
 	    useradd --system --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin $(SERVER_USER); fi
 	$(VENV)/bin/gpusupctl rehearse $(PROFILE) --config-dir etc/supervisord-gpu
+
+# The cluster on one machine: three real systemd hosts in containers on a private bridge,
+# etcd on one, PD across the other two, a switch to one TP server spanning both and back.
+rehearse-cluster: test-setup
+	$(VENV)/bin/python tests/cluster_rehearsal.py
 
 test: test-setup lint
 	$(VENV)/bin/python -m pytest -q -rs

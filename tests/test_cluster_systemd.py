@@ -11,10 +11,12 @@ and at a client that sent requests through the router all along.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import textwrap
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -166,15 +168,34 @@ class Cluster:
         return all(ctr.is_active("decoy") == "active" for ctr in self.nodes.values())
 
 
-@pytest.fixture
-def cluster(fresh_systemd_container):  # type: ignore[no-untyped-def]
+@contextlib.contextmanager
+def three_hosts() -> Iterator[Cluster]:
+    """The cluster, booted; at the end every container halted and the network removed (the
+    tests, `make rehearse-cluster` and bench/cluster_bench.py all use it)."""
     from rig.network import TestNetwork
+    from rig.systemd_container import SystemdContainer, repo_binds, require_rig
+
+    require_rig()
+    made: list[SystemdContainer] = []
+
+    def make(*, binds=None, **kw):  # type: ignore[no-untyped-def]
+        ctr = SystemdContainer(binds=repo_binds() if binds is None else binds, **kw)
+        made.append(ctr)
+        return ctr.boot()
 
     net = TestNetwork()
     try:
-        yield Cluster(fresh_systemd_container, net)
+        yield Cluster(make, net)
     finally:
+        for ctr in made:
+            ctr.stop()
         net.close()
+
+
+@pytest.fixture
+def cluster():  # type: ignore[no-untyped-def]
+    with three_hosts() as booted:
+        yield booted
 
 
 def first(seen: list[tuple[str, str]], key: str, state: str, after: int = -1) -> int:
@@ -182,7 +203,7 @@ def first(seen: list[tuple[str, str]], key: str, state: str, after: int = -1) ->
 
 
 def test_pd_across_two_nodes_then_tp_over_both_and_back_in_order_without_cutting_a_request(cluster):
-    a, b = cluster.nodes["a"], cluster.nodes["b"]
+    a = cluster.nodes["a"]
     a.systemctl("start", "dsv4@pd", timeout=180)  # on a alone: b's part is started by b's agent
     assert cluster.active("pd") == {"a": "active", "b": "active"}
     a.write_file("/root/client.py", textwrap.dedent(CLIENT))

@@ -48,7 +48,7 @@ async def prepare_cluster_start(part: Profile, cfg: DaemonConfig, inventory: Gpu
         await verify_locally()
         return
     whole = await asyncio.to_thread(load_profile, cfg, part.name, True)
-    tid = uuid.uuid4().hex[:12]
+    tid = "t" + uuid.uuid4().hex[:12]  # never a JSON number
     me = {"to": part.name, "starting": [part.name], "node": cfg.cluster.node, "pid": os.getpid(), "tid": tid}
     while (held := await asyncio.to_thread(store.acquire, gate.lease, me)) is not None:
         progress(f"waiting for the cluster transition to {held.get('to')} (coordinated by node {held.get('node')})")
@@ -132,7 +132,7 @@ def roll_back(store: ClusterStore, plan: ClusterPlan, done: list[Step], me: dict
     if not stopped:
         return
     lease = store.grant(ROLLBACK_LOCK_TTL_S)
-    tid = uuid.uuid4().hex[:12]
+    tid = "t" + uuid.uuid4().hex[:12]  # never a JSON number
     rollback = {"to": f"rollback of {plan.target}", "starting": [s.work[0].instance for s in stopped],
                 "node": me["node"], "pid": me["pid"], "tid": tid}
     if store.acquire(lease, rollback) is not None:

@@ -28,7 +28,6 @@ from ..errors import StartError
 from .store import ClusterStore, ClusterUnavailable
 
 STOPPED = ("stopped", "failed", "")
-WATCH_SLICE_S = 1.0
 PUBLISH_FLUSH_S = 5.0
 
 
@@ -105,40 +104,48 @@ class ClusterGate:
     async def before_start(self, spec: ProcessSpec) -> None:
         if not spec.peers_before_start:
             return
-        deadline = time.monotonic() + spec.start_timeout_s
         self.say(f"{spec.name}: waiting for {', '.join(spec.peers_before_start)} to be ready", 6)
-        while True:
-            states = await asyncio.to_thread(self.store.process_states, self.profile.name)
-            late = [p for p in spec.peers_before_start if states.get(p) != "ready"]
-            if not late:
-                return
-            if time.monotonic() >= deadline:
-                said = ", ".join(f"{p} ({states.get(p) or 'no daemon running it'})" for p in late)
-                raise StartError(f"{spec.name}: not started: on another node, {said} was not ready "
-                                 f"within its start timeout {spec.start_timeout_s:g} s")
-            await asyncio.to_thread(self.store.watch_once, self.store.key("parts", self.profile.name),
-                                    min(WATCH_SLICE_S, max(0.05, deadline - time.monotonic())))
+        seen: dict[str, str] = {}
+
+        def settled() -> dict[str, str] | None:
+            seen.update(self.store.process_states(self.profile.name))
+            return seen if all(seen.get(p) == "ready" for p in spec.peers_before_start) else None
+
+        try:
+            await self._in_thread(settled, time.monotonic() + spec.start_timeout_s)
+        except TimeoutError:
+            late = [p for p in spec.peers_before_start if seen.get(p) != "ready"]
+            said = ", ".join(f"{p} ({seen.get(p) or 'no daemon running it'})" for p in late)
+            raise StartError(f"{spec.name}: not started: on another node, {said} was not ready "
+                             f"within its start timeout {spec.start_timeout_s:g} s") from None
 
     async def before_stop(self, wave: list[ProcessSpec]) -> None:
         wanted = tuple(dict.fromkeys(p for spec in wave for p in spec.peers_before_stop))
         if not wanted:
             return
-        deadline = time.monotonic() + max(s.stop_timeout_s for s in wave) + self.store.cfg.lease_ttl_s
-        while True:
-            try:
-                states = await asyncio.to_thread(self.store.process_states, self.profile.name)
-            except ClusterUnavailable as e:
-                self.say(f"{e}; stopping {'+'.join(s.name for s in wave)} without waiting for the other nodes", 4)
-                return
-            late = [p for p in wanted if states.get(p, "") not in STOPPED]
-            if not late:
-                return
-            if time.monotonic() >= deadline:
-                self.say(f"stopping {'+'.join(s.name for s in wave)} although {', '.join(late)} did not report "
-                         f"stopped in time", 4)
-                return
-            try:
-                await asyncio.to_thread(self.store.watch_once, self.store.key("parts", self.profile.name),
-                                        min(WATCH_SLICE_S, max(0.05, deadline - time.monotonic())))
-            except ClusterUnavailable:
-                continue
+        names = "+".join(s.name for s in wave)
+        seen: dict[str, str] = {}
+
+        def settled() -> dict[str, str] | None:
+            seen.clear()
+            seen.update(self.store.process_states(self.profile.name))
+            return seen if all(seen.get(p, "") in STOPPED for p in wanted) else None
+
+        try:
+            await self._in_thread(settled, time.monotonic() + max(s.stop_timeout_s for s in wave)
+                                  + self.store.cfg.lease_ttl_s)
+        except ClusterUnavailable as e:  # a stop always finishes: without etcd, in our own order only
+            self.say(f"{e}; stopping {names} without waiting for the other nodes", 4)
+        except TimeoutError:
+            late = [p for p in wanted if seen.get(p, "") not in STOPPED]
+            self.say(f"stopping {names} although {', '.join(late)} did not report stopped in time", 4)
+
+    async def _in_thread(self, settled: Callable[[], Any], deadline: float) -> Any:
+        """store.wait in one worker thread (its reads and watches must share the thread: the
+        watch starts right after the read's revision); abandoned if we are cancelled."""
+        abort = threading.Event()
+        try:
+            return await asyncio.to_thread(self.store.wait, settled, deadline, None, abort)
+        except asyncio.CancelledError:
+            abort.set()
+            raise

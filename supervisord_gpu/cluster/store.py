@@ -15,7 +15,9 @@ while etcd cannot be reached, and nothing that runs is touched because of it.
 
 from __future__ import annotations
 
+import base64
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,6 +29,10 @@ from ..errors import SupervisorError
 
 ETCD_REQUEST_TIMEOUT_S = 3.0
 WATCH_SLICE_S = 1.0  # a watch is re-armed this often, so an event between read and watch costs at most this
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
 
 
 class ClusterUnavailable(SupervisorError):
@@ -60,6 +66,7 @@ class ClusterStore:
         self.prefix = cfg.prefix.rstrip("/")
         self.endpoint = cfg.etcd[0]
         self._client = self._connect(self.endpoint)
+        self._seen = threading.local()  # the revision of this thread's last read
 
     @staticmethod
     def _connect(endpoint: str) -> Any:
@@ -133,12 +140,18 @@ class ClusterStore:
         return list(out)
 
     def watch_once(self, prefix: str, timeout: float) -> None:
-        """Return at the first change under `prefix`, or after `timeout`."""
+        """Return at the first change under `prefix` since this thread's last read (at once if
+        there was one meanwhile), or after `timeout`."""
         from etcd3gw.exceptions import WatchTimedOut
 
+        since = getattr(self._seen, "revision", 0)
+        self._seen.revision = 0
         with self._talking(f"watching {prefix}"):
             try:
-                self._client.watch_prefix_once(prefix, timeout=timeout)
+                if since:
+                    self._client.watch_prefix_once(prefix, timeout=timeout, start_revision=since + 1)
+                else:
+                    self._client.watch_prefix_once(prefix, timeout=timeout)
             except WatchTimedOut:
                 pass
 
@@ -175,12 +188,12 @@ class ClusterStore:
 
     def current(self) -> tuple[str, dict[str, Any]] | None:
         """The transition now under way, if any: (id, plan)."""
+        tid = self._prefix(self.key("current")).get(self.key("current"))  # a read the next watch follows on from
+        if not tid:
+            return None
         with self._talking("reading the current transition"):
-            tid = self._client.get(self.key("current"))
-            if not tid:
-                return None
-            plan = self._client.get(self.key("transitions", tid[0].decode(), "plan"))
-        return (tid[0].decode(), json.loads(plan[0])) if plan else None
+            plan = self._client.get(self.key("transitions", str(tid), "plan"))
+        return (str(tid), json.loads(plan[0])) if plan else None
 
     def report(self, tid: str, step: int, node: str, result: dict[str, Any], lease: Any) -> None:
         with self._talking(f"reporting step {step}"):
@@ -204,38 +217,40 @@ class ClusterStore:
                     raise NodeLost(node, f"during step {step}")
             return got if all(n in got for n in nodes) else None
 
-        return self.wait(self.key("transitions", tid, "steps", str(step)), settled, deadline,
-                         also=self.key("nodes"), late=lambda: [n for n in nodes if n not in self.reports(tid, step)])
+        return self.wait(settled, deadline, late=lambda: [n for n in nodes if n not in self.reports(tid, step)])
 
     # -- reading and waiting ---------------------------------------------------------------
 
     def _prefix(self, prefix: str) -> dict[str, Any]:
+        """Every key under `prefix` with its JSON value; the read's revision is kept (per thread)
+        so that the next watch_once starts right after it: no change is missed in between."""
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
         with self._talking(f"reading {prefix}"):
-            found = self._client.get_prefix(prefix)
+            reply = self._client.post(self._client.get_url("/kv/range"), json={"key": _b64(prefix), "range_end": _b64(end)})
+        self._seen.revision = int(reply.get("header", {}).get("revision", 0))
         out: dict[str, Any] = {}
-        for value, meta in found:
-            key = meta["key"].decode() if isinstance(meta["key"], bytes) else meta["key"]
-            out[key] = json.loads(value) if value else None
+        for kv in reply.get("kvs", []):
+            value = base64.b64decode(kv.get("value", "")).decode()
+            try:
+                out[base64.b64decode(kv["key"]).decode()] = json.loads(value) if value else None
+            except ValueError:
+                out[base64.b64decode(kv["key"]).decode()] = value  # not JSON: the current transition's id
         return out
 
-    def wait(self, prefix: str, settled: Callable[[], Any], deadline: float, also: str | None = None,
-             late: Callable[[], list[str]] | None = None) -> Any:
-        """Re-check `settled` on every change under `prefix` (and `also`), until it returns
-        something or the deadline passes; etcd's watch, re-armed every WATCH_SLICE_S."""
-        from etcd3gw.exceptions import WatchTimedOut
-
+    def wait(self, settled: Callable[[], Any], deadline: float, late: Callable[[], list[str]] | None = None,
+             abort: threading.Event | None = None) -> Any:
+        """Re-check `settled` on every change under our prefix, until it returns something or
+        the deadline passes. One watch on everything of ours: a report, a node's lease expiring
+        (its key deleted) and a failure all wake it at once; re-armed every WATCH_SLICE_S so
+        that a change between the check and the watch costs at most that."""
         while True:
             result = settled()
             if result is not None:
                 return result
             remaining = deadline - time.monotonic()
+            if abort is not None and abort.is_set():
+                raise TimeoutError("abandoned")
             if remaining <= 0:
                 who = late() if late else []
                 raise TimeoutError("timed out" + (f" waiting for {', '.join(who)}" if who else ""))
-            for watched in (prefix, also) if also else (prefix,):
-                with self._talking(f"watching {watched}"):
-                    try:
-                        self._client.watch_prefix_once(watched, timeout=min(WATCH_SLICE_S / (2 if also else 1), remaining))
-                        break
-                    except WatchTimedOut:
-                        continue
+            self.watch_once(self.prefix + "/", min(WATCH_SLICE_S, remaining))
