@@ -112,6 +112,8 @@ def test_a_server_spanning_nodes_gets_one_rank_per_node_with_http_on_rank_0(tmp_
      "random NCCL port range"),
     (TP_SPANNING.replace("[servers.big.options]", "[servers.big.options]\nnode-rank = 1"),
      "servers.big.options.node-rank", "is set by the profile key 'nodes'"),
+    (TP_SPANNING.replace("[servers.big.options]", '[servers.big.options]\nnccl-init-addr = "10.9.0.9:1"'),
+     "servers.big.options.nccl-init-addr", "is set by the profile key 'dist_init_port'"),
     (TP_SPANNING + '[servers.small]\nnode = "b"\ngpus = [3]\nport = 31003\nmodel_path = "/m"\n',
      "servers.small.gpus", "GPU 3 on node 'b' is also used by servers.big"),
     (NODES.replace('"10.9.0.2"', '"127.0.0.1"') + PD_ACROSS[len(NODES):], "nodes.b.address", "must be an address"),

@@ -66,6 +66,7 @@ SERVER_MANAGED = {
     "nnodes": "nodes",
     "node-rank": "nodes",
     "dist-init-addr": "dist_init_port",
+    "nccl-init-addr": "dist_init_port",  # SGLang's alias of --dist-init-addr
 }
 ROUTER_MANAGED = {
     "host": "host",
