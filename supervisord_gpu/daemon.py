@@ -129,7 +129,7 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
                 loop.remove_signal_handler(sig)
         registry.unregister(cfg.runtime_dir, profile.name)
         if instance.gate is not None:
-            instance.gate.close()  # type: ignore[attr-defined]
+            instance.gate.close()
         keepalive.cancel()
         if bus is not None:
             bus.close()

@@ -206,6 +206,10 @@ def test_pd_across_two_nodes_then_tp_over_both_and_back_in_order_without_cutting
     a = cluster.nodes["a"]
     a.systemctl("start", "dsv4@pd", timeout=180)  # on a alone: b's part is started by b's agent
     assert cluster.active("pd") == {"a": "active", "b": "active"}
+    shown = a.run([CTL, "status", "--cluster"]).stdout
+    assert "node b: agent pid" in shown and "dsv4@pd a" in shown and "pd: decode ready" in shown, shown
+    # TP1 servers use the first of their GPUs (as SGLang does); each node's GPUs by its own NVML
+    assert "pd: prefill ready, router ready" in shown and shown.count("GPUs: 0 1000 MiB, 1 idle, 2 idle") == 2, shown
     a.write_file("/root/client.py", textwrap.dedent(CLIENT))
     a.run(["systemd-run", "--unit=client", "--", PY, "/root/client.py", "/root/requests.jsonl"])
     wait_for(lambda: a.run(["sh", "-c", "grep -c '\"status\": 200' /root/requests.jsonl || true"]).stdout.strip() not in ("", "0"),
@@ -289,6 +293,40 @@ def test_a_node_lost_mid_transition_fails_it_naming_the_node(cluster):
     assert b.is_active("dsv4@tp") == "inactive"  # never started where the node was lost
     # rollback where it can: a's agent starts a's part of pd again (b's cannot: its agent is gone)
     wait_for(lambda: a.is_active("dsv4@pd") in ("activating", "active"), 30, "a's part of pd to be started again")
+    assert cluster.decoys_alive()
+
+
+def test_a_second_switch_while_one_runs_waits_naming_it(cluster):
+    a, b = cluster.nodes["a"], cluster.nodes["b"]
+    a.systemctl("start", "dsv4@pd", timeout=180)
+    b.run(["systemd-run", "--unit=holder", "--", PY, "-c",  # b's verification waits on a holder
+           "import time; from supervisord_gpu.checks.simgpu import SimulatedGpus; "
+           "SimulatedGpus('/run/supervisord-gpu/simgpu').hold([0], 50000); time.sleep(3600)"])
+    a.systemctl("start", "--no-block", "dsv4@tp")
+    wait_for(lambda: "cluster step 2/3" in a.systemctl("show", "-P", "StatusText", "dsv4@tp").stdout, 120,
+             "the first transition to reach the verification")
+    b.systemctl("start", "--no-block", "dsv4@tpbad")  # a second switch, from the other node
+    wait_for(lambda: "waiting for the cluster transition to tp (coordinated by node a)"
+             in b.systemctl("show", "-P", "StatusText", "dsv4@tpbad").stdout, 30, "the second switch to wait")
+    b.systemctl("stop", "dsv4@tpbad", timeout=60)  # given up: it had touched nothing
+    b.systemctl("stop", "holder")
+    wait_for(lambda: cluster.active("tp") == {"a": "active", "b": "active"}, 120, "the first switch to finish")
+    assert cluster.active("tpbad") == {"a": "inactive", "b": "inactive"}
+
+
+def test_a_nodes_daemon_sigkilled_while_its_part_starts_ends_in_the_old_profile_everywhere(cluster):
+    a, b = cluster.nodes["a"], cluster.nodes["b"]
+    a.systemctl("start", "dsv4@pd", timeout=180)
+    b.write_file("/etc/systemd/system/dsv4@.service.d/test-norestart.conf", "[Service]\nRestart=no\n")
+    b.daemon_reload()
+    a.systemctl("start", "--no-block", "dsv4@tp")
+    wait_for(lambda: b.is_active("dsv4@tp") == "activating", 120, "b's part of tp to be starting")
+    b.systemctl("kill", "--signal=KILL", "--kill-whom=main", "dsv4@tp")
+    try:  # a's rank 0 loses rank 1, a's start fails, and the agents roll back to pd on both nodes
+        wait_for(lambda: cluster.active("pd") == {"a": "active", "b": "active"}, 180, "pd back on both nodes")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {cluster.active('pd')} {cluster.active('tp')}\n" + cluster.journals()) from None
+    assert "active" not in cluster.active("tp").values()
     assert cluster.decoys_alive()
 
 

@@ -329,6 +329,11 @@ def cluster_status(args: argparse.Namespace) -> int:
             mine = {k.split("/", 1)[1]: s for k, s in states.items() if k.startswith(f"{node}/")}
             if mine:
                 print(f"  {instance}: " + ", ".join(f"{p} {s}" for p, s in sorted(mine.items())))
+        gpus = (nodes[node] or {}).get("gpus", [])
+        if gpus:
+            print("  GPUs: " + ", ".join(g["error"] if "error" in g else
+                                         f"{g['index']} {'idle' if g['idle'] else str(g['in_use_mib']) + ' MiB'}"
+                                         for g in gpus))
     return 0
 
 

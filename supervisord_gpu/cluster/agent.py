@@ -103,12 +103,19 @@ class NodeAgent:
                 pass  # said by the main loop
 
     def announce(self) -> None:
+        """This node's record: its dsv4@ units and its GPUs by its own NVML, for `status --cluster`."""
         try:
             parts = self.units.states()
         except SupervisorError:
             parts = {}
+        gpus: list[dict[str, Any]]
+        try:
+            gpus = [{"index": g.index, "in_use_mib": g.in_use_mib, "total_mib": g.total_mib, "idle": g.idle}
+                    for g in self.inventory.snapshot()]
+        except SupervisorError as e:
+            gpus = [{"error": str(e).splitlines()[0]}]
         self.store.announce(self.node, self.lease, {"node": self.node, "pid": os.getpid(), "parts": parts,
-                                                    "at": time.time()})
+                                                    "gpus": gpus, "at": time.time()})
 
     # -- a transition ------------------------------------------------------------------------
 
@@ -118,7 +125,8 @@ class NodeAgent:
             if self.node in step.nodes():
                 if previous is not None:
                     try:
-                        self.store.wait_step(tid, previous.number, previous.nodes(), time.monotonic() + STEP_WAIT_S)
+                        self.store.wait_step(tid, previous.number, previous.nodes(), time.monotonic() + STEP_WAIT_S,
+                                             self.stopping.is_set)
                     except (StepFailed, NodeLost, TimeoutError) as e:
                         self.say(f"transition {tid} to {plan.target} abandoned before step {step.number}: {e}", 4)
                         return

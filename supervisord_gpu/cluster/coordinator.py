@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -71,7 +72,7 @@ async def prepare_cluster_start(part: Profile, cfg: DaemonConfig, inventory: Gpu
             deadline = time.monotonic() + (STOP_STEP_DEADLINE_S if step.action == "stop"
                                            else cfg.gpus.wait_idle_timeout_s + VERIFY_SLACK_S)
             try:
-                await asyncio.to_thread(store.wait_step, tid, step.number, step.nodes(), deadline)
+                await waited(store, tid, step, deadline, gate.closing)
             except TimeoutError as e:
                 raise StartError(f"cluster step {step.number} ({step.action}) {e}") from None
             done.append(step)
@@ -83,7 +84,7 @@ async def prepare_cluster_start(part: Profile, cfg: DaemonConfig, inventory: Gpu
                   + (f"; rolling back: the agents start {', '.join(plan.stopping)} again" if stopped else ""))
         raise (TakeoverFailed(reason) if stopped else PreconditionError(reason)) from None
     gate.transition = Transition(plan, tuple(done), me)
-    asyncio.get_running_loop().create_task(_release_when_started(store, plan, tid, me, say))
+    asyncio.get_running_loop().create_task(_release_when_started(store, plan, tid, me, say, gate.closing))
 
 
 @dataclass(frozen=True)
@@ -105,12 +106,24 @@ def roll_back_failed_start(gate: ClusterGate) -> str:
     return f"rolling back: the agents stop {t.plan.target} on every node and start {', '.join(t.plan.stopping)} again"
 
 
+async def waited(store: ClusterStore, tid: str, step: Step, deadline: float, closing: threading.Event) -> Any:
+    """store.wait_step in a worker thread that ends when we are cancelled or the daemon exits
+    (the thread would otherwise hold the interpreter's exit until the step's deadline)."""
+    abort = threading.Event()
+    try:
+        return await asyncio.to_thread(store.wait_step, tid, step.number, step.nodes(), deadline,
+                                       lambda: abort.is_set() or closing.is_set())
+    except asyncio.CancelledError:
+        abort.set()
+        raise
+
+
 async def _release_when_started(store: ClusterStore, plan: ClusterPlan, tid: str, me: dict[str, Any],
-                                say: Callable[[str, int], None]) -> None:
+                                say: Callable[[str, int], None], closing: threading.Event) -> None:
     """The lock is held until every node's part reported its start (ready or failed)."""
     start = plan.steps[-1]
     try:
-        await asyncio.to_thread(store.wait_step, tid, start.number, start.nodes(), time.monotonic() + 3600)
+        await waited(store, tid, start, time.monotonic() + 3600, closing)
         say(f"cluster transition to {plan.target} done: every node's part is ready", 6)
     except SupervisorError as e:
         say(f"cluster transition to {plan.target}: {e}", 3)

@@ -38,6 +38,7 @@ class ClusterGate:
         self.transition: Any = None
         self.lease = store.grant()  # refuses the start when etcd is out of reach: ClusterUnavailable
         self._stop = threading.Event()
+        self.closing = self._stop  # set once the daemon is done: waits in worker threads give up
         self._outage_said = False
         self._renewer = threading.Thread(target=self._renew, name="etcd-lease", daemon=True)
         self._renewer.start()
@@ -145,7 +146,8 @@ class ClusterGate:
         watch starts right after the read's revision); abandoned if we are cancelled."""
         abort = threading.Event()
         try:
-            return await asyncio.to_thread(self.store.wait, settled, deadline, None, abort)
+            return await asyncio.to_thread(self.store.wait, settled, deadline, None,
+                                           lambda: abort.is_set() or self.closing.is_set())
         except asyncio.CancelledError:
             abort.set()
             raise

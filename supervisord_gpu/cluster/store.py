@@ -203,7 +203,8 @@ class ClusterStore:
         base = self.key("transitions", tid, "steps", str(step)) + "/"
         return {k[len(base):]: v for k, v in self._prefix(base).items()}
 
-    def wait_step(self, tid: str, step: int, nodes: tuple[str, ...], deadline: float) -> dict[str, dict[str, Any]]:
+    def wait_step(self, tid: str, step: int, nodes: tuple[str, ...], deadline: float,
+                  aborted: Callable[[], bool] | None = None) -> dict[str, dict[str, Any]]:
         """Until every node in `nodes` reported `step`: their reports. A failed report raises
         StepFailed, a node whose lease expired NodeLost, the deadline TimeoutError naming who is late."""
         def settled() -> dict[str, dict[str, Any]] | None:
@@ -217,7 +218,8 @@ class ClusterStore:
                     raise NodeLost(node, f"during step {step}")
             return got if all(n in got for n in nodes) else None
 
-        return self.wait(settled, deadline, late=lambda: [n for n in nodes if n not in self.reports(tid, step)])
+        return self.wait(settled, deadline, late=lambda: [n for n in nodes if n not in self.reports(tid, step)],
+                         aborted=aborted)
 
     # -- reading and waiting ---------------------------------------------------------------
 
@@ -238,7 +240,7 @@ class ClusterStore:
         return out
 
     def wait(self, settled: Callable[[], Any], deadline: float, late: Callable[[], list[str]] | None = None,
-             abort: threading.Event | None = None) -> Any:
+             aborted: Callable[[], bool] | None = None) -> Any:
         """Re-check `settled` on every change under our prefix, until it returns something or
         the deadline passes. One watch on everything of ours: a report, a node's lease expiring
         (its key deleted) and a failure all wake it at once; re-armed every WATCH_SLICE_S so
@@ -248,7 +250,7 @@ class ClusterStore:
             if result is not None:
                 return result
             remaining = deadline - time.monotonic()
-            if abort is not None and abort.is_set():
+            if aborted is not None and aborted():
                 raise TimeoutError("abandoned")
             if remaining <= 0:
                 who = late() if late else []

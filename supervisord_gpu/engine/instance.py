@@ -32,6 +32,10 @@ class Gate(Protocol):
 
     async def before_stop(self, wave: list[ProcessSpec]) -> None: ...
 
+    def close(self) -> None:
+        """After the instance's last stop (the daemon's exit)."""
+
+
 TRAFFIC_API_TIMEOUT_S = 10.0  # the router takes a removal in well under a second
 TRAFFIC_RESTORE_TIMEOUT_S = 120.0  # its health check of the new worker costs SGLang's /health (>= 1 s), then retries
 
