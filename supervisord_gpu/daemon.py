@@ -40,6 +40,8 @@ class RunOptions:
     quiet_children: bool = False
     #: serve the D-Bus API ("auto": when a system bus is reachable)
     bus: str = "auto"
+    #: True when a SIGTERM came before the daemon's handlers were installed (cli/daemon.py)
+    stopped_early: Callable[[], bool] = lambda: False
 
 
 def build_instance(cfg: DaemonConfig, profile: Profile, opts: RunOptions):  # type: ignore[no-untyped-def]
@@ -111,6 +113,8 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
         )
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, controller.request_stop)
+        if opts.stopped_early():
+            controller.request_stop()
         bus = start_bus(cfg, profile, controller, opts, sink)
         registry.register(cfg.runtime_dir, profile, instance.owner.name)
         on_ready = (lambda: opts.on_ready(instance)) if opts.on_ready else None  # type: ignore[misc]

@@ -30,9 +30,16 @@ def main(argv: list[str] | None = None) -> int:
     def go() -> int:
         if args.command == "agent":
             return run_agent(args.config_dir)
+        import signal
+
+        # A SIGTERM before the daemon's own handlers exist (a takeover stopping us while we import)
+        # is kept, not fatal: the daemon then stops at once and says who took over.
+        early: list[int] = []
+        signal.signal(signal.SIGTERM, lambda signum, _frame: early.append(signum))
         from ..daemon import RunOptions, run
 
-        return run(args.name, args.config_dir, RunOptions(rehearsal=args.rehearsal, force_stderr=args.stderr))
+        return run(args.name, args.config_dir, RunOptions(rehearsal=args.rehearsal, force_stderr=args.stderr,
+                                                          stopped_early=lambda: bool(early)))
 
     return guarded(PROG, go)
 
