@@ -1,7 +1,8 @@
 """torch.distributed's TCPStore rendezvous, as a server spanning nodes meets it (stand-in only).
 
-What SGLang 0.5.23 does with `--nnodes N --node-rank R --dist-init-addr HOST:PORT` (read from
-its source and torch's, see shared/reference/sglang-server.md "Multi-node"):
+What SGLang 0.5.23 does with `--nnodes N --node-rank R --dist-init-addr HOST:PORT`, read from
+its wheel (srt/entrypoints/engine.py `_launch_subprocesses`, srt/distributed/bootstrap.py,
+parallel_state.py) and torch's c10d (rendezvous.py, socket.cpp, TCPStore.cpp):
 - world rank 0 (node rank 0) binds PORT on every address and waits, *before loading any
   weights*, until the other N-1 ranks have connected; after `--dist-timeout` (torch's default
   600 s) it fails with "Timed out after T seconds waiting for clients. k/N clients joined." and
