@@ -127,10 +127,10 @@ def hand(cl) -> tuple[float, float]:  # type: ignore[no-untyped-def]
 def main() -> dict[str, object]:
     import test_cluster_systemd as T
 
-    global CTL
-    CTL = T.CTL
     samples: dict[str, list[float]] = {"ours": [], "hand": [], "ours_total": [], "hand_total": [], "drain": [], "hand_drain": [], "start_up": []}
     with T.three_hosts() as cl:
+        global CTL
+        CTL = cl.ctl
         for _ in range(RUNS):
             total, drain, start_up = ours(cl)
             samples["ours_total"].append(total)

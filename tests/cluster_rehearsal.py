@@ -31,16 +31,16 @@ def main() -> int:
         for profile in ("pd", "tp"):
             say(f"node a: gpusupctl switch {profile}  (PD across a and b; then one TP server over both)")
             t0 = time.monotonic()
-            r = a.run([T.CTL, "switch", profile, "--wait"], check=False, timeout=300)
+            r = a.run([cl.ctl, "switch", profile, "--wait"], check=False, timeout=300)
             print(r.stdout + r.stderr, f"[{time.monotonic() - t0:.1f} s]")
             say("node a: gpusupctl status --cluster")
-            print(a.run([T.CTL, "status", "--cluster"], check=False).stdout)
+            print(a.run([cl.ctl, "status", "--cluster"], check=False).stdout)
         say("the order across nodes, from etcd's history (its revisions are the one shared clock)")
         for key, state in cl.history():
             if key.startswith("parts/pd/") and state in ("stopping", "stopped") or "/steps/" in key:
                 print(f"  {key:40} {state or '(gone)'}")
         say("node a: gpusupctl switch pd  (and back)")
-        print(a.run([T.CTL, "switch", "pd", "--wait"], check=False, timeout=300).stdout)
+        print(a.run([cl.ctl, "switch", "pd", "--wait"], check=False, timeout=300).stdout)
         say("tearing down")
     return 0
 

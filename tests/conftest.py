@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +76,35 @@ def fresh_systemd_container():  # type: ignore[no-untyped-def]
     yield make
     for ctr in made:
         ctr.stop()
+
+
+# --------------------------------------------------------------------------- the .deb
+REPO = Path(__file__).resolve().parents[1]
+DEB_VERSION = re.match(r"\S+ \(([^)]+)\)", (REPO / "packaging/debian/changelog").read_text()).group(1)  # type: ignore[union-attr]
+DEB_NAME = f"supervisord-gpu_{DEB_VERSION}_all.deb"
+DEB_BUILD_TOOLS = ("dpkg-buildpackage", "dh", "dh_python3", "lintian")
+
+
+def unavailable(reason: str) -> None:
+    """Skip here; under CI=true fail, since the CI set-up must provide what is missing."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason} (CI=true: the CI set-up must provide it)", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The package, built once per session by `make deb` into a private directory (test_deb.py
+    tests it; the cluster tests install it on their hosts)."""
+    missing = [t for t in DEB_BUILD_TOOLS if shutil.which(t, path="/usr/sbin:/usr/bin:/sbin:/bin") is None]
+    if missing and os.geteuid() != 0:  # as root, `make deb` installs its own build tools
+        unavailable(f"building the .deb needs {', '.join(missing)} (apt-get install -y "
+                    "debhelper dh-python pybuild-plugin-pyproject python3-all python3-setuptools lintian)")
+    out = tmp_path_factory.mktemp("deb-out")
+    r = subprocess.run(["make", "--no-print-directory", "deb", f"DEB_OUT={out}"], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"make deb failed:\n{r.stdout}\n{r.stderr}"
+    path = out / DEB_NAME
+    assert path.is_file(), f"make deb did not produce {path}:\n{r.stdout}"
+    assert r.stdout.strip().splitlines()[-1] == str(path), "make deb should print the .deb path last"
+    return path

@@ -39,6 +39,48 @@ def test_the_lock_names_its_holder_and_frees_itself_when_the_holder_dies(etcd):
     assert b.holder() is None
 
 
+def test_releasing_the_lock_is_one_delete_that_no_reader_sees_half_done(etcd):
+    import queue
+    import threading
+
+    from etcd3gw.client import Etcd3Client
+
+    a, reader = store(etcd), store(etcd)
+    lease = a.grant()
+    seen: list[Exception] = []
+    done = threading.Event()
+
+    def read() -> None:  # another node reading the lock all along must never choke on it
+        while not done.is_set():
+            try:
+                reader.holder()
+            except Exception as e:  # noqa: BLE001 - any error is the failure this test looks for
+                seen.append(e)
+                return
+
+    t = threading.Thread(target=read)
+    t.start()
+    for i in range(30):
+        assert a.acquire(lease, {"node": "a", "to": "tp", "pid": i}) is None
+        a.release({"node": "a", "to": "tp", "pid": i})
+    done.set()
+    t.join()
+    assert not seen, seen
+    # etcd's own history of the key: each cycle is a put of the holder's record and one delete
+    client = Etcd3Client(host="127.0.0.1", port=int(etcd.url.rsplit(":", 1)[1]), api_path="/v3/")
+    events, cancel = client.watch(a.key("lock"), start_revision=1)
+    got: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [got.put(e) for e in events], daemon=True).start()
+    kinds = []
+    try:
+        while len(kinds) < 60:
+            e = got.get(timeout=5)
+            kinds.append("DELETE" if e.get("type") == "DELETE" else ("PUT" if e["kv"].get("value") else "PUT empty"))
+    finally:
+        cancel()
+    assert kinds == ["PUT", "DELETE"] * 30, kinds
+
+
 def test_a_node_whose_agent_stops_renewing_is_gone_and_a_waiting_step_names_it(etcd):
     s = store(etcd)
     alive, dying = s.grant(), s.grant()

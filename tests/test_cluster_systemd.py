@@ -1,8 +1,13 @@
 """Beyond one machine, for real: three hosts, each a real systemd 252 in its own container and
 network namespace, joined by veth pairs to a bridge only they share (tests/rig/network.py).
-Host c runs Debian's etcd; hosts a and b have our units, D-Bus policy, config and profiles
-installed (this checkout's daemon, as in tests/box.py) and the cluster agent running. The
-servers are stand-ins on simulated GPUs (each host its own); the router is the real one.
+Host c runs Debian's etcd. Hosts a and b have **the built .deb installed** (`dpkg -i`, with
+Debian's python3-etcd3gw, which the package Suggests for cluster profiles), their config and
+profiles written as an operator would, and the cluster agent started from the package's unit.
+The servers are stand-ins on simulated GPUs (each host its own); the router is the real
+sglang-router, taken from the project's virtual environment after Debian's own packages (the
+hosts have no network to install it). `make rehearse-cluster` and bench/cluster_bench.py boot
+the same hosts with this checkout installed the way the .deb lays it out instead (no package
+build needed).
 
 What an operator does is what the tests do: `systemctl start dsv4@NAME` on node a, then
 look at both nodes, at etcd's own history (its revisions are the one clock both nodes share),
@@ -14,18 +19,19 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import sysconfig
 import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from box import REPO, install
+from box import CONFIG, REPO, install
 from support import wait_for
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
-PY = f"{REPO}/.venv/bin/python"
-CTL = f"{REPO}/.venv/bin/gpusupctl"
+PY = f"{REPO}/.venv/bin/python"  # the tests' own tools inside the hosts (client, holders, etcd's history)
 AGENT_UNIT = "/etc/systemd/system/gpusup-agent.service"
 PREFIX = "/supervisord-gpu"
 
@@ -112,7 +118,7 @@ while True:
 
 
 class Cluster:
-    def __init__(self, make, net) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, make, net, deb: Path | None = None) -> None:  # type: ignore[no-untyped-def]
         from rig.systemd_container import Bind, repo_binds
 
         etcd = shutil.which("etcd") or "/usr/bin/etcd"
@@ -121,19 +127,25 @@ class Cluster:
         self.addr = {name: net.address(name) for name in ns}
         self.c = make(network_namespace=ns["c"], binds=[*repo_binds(), Bind(etcd, "/usr/local/bin/etcd", True)])
         self.start_etcd()
-        self.nodes = {name: make(network_namespace=ns[name]) for name in ("a", "b")}
-        for name, ctr in self.nodes.items():
-            install(ctr, startup=1.0)
-            ctr.write_file("/etc/supervisord-gpu/supervisord-gpu.toml",
-                           ctr.run(["cat", "/etc/supervisord-gpu/supervisord-gpu.toml"]).stdout
-                           + f'\n[cluster]\nnode = "{name}"\netcd = ["{self.etcd_url}"]\nlease_ttl = 3\n')
+        #: what an operator types on a node: the package's gpusupctl, or the checkout's
+        self.ctl = "gpusupctl" if deb else f"{REPO}/.venv/bin/gpusupctl"
+        self.nodes = {}
+        for name in ("a", "b"):
+            if deb:
+                ctr = make(network_namespace=ns[name], extra_packages=("python3-etcd3gw",),
+                           binds=[*repo_binds(), Bind(str(deb.parent), "/debs", True)])
+                install_package(ctr, deb)
+            else:
+                ctr = make(network_namespace=ns[name])
+                install_checkout(ctr)
+            self.nodes[name] = ctr
+            # CONFIG ends in [rehearsal]: the real router there, or a failed start (never the stand-in unnoticed)
+            ctr.write_file("/etc/supervisord-gpu/supervisord-gpu.toml", CONFIG.format(startup=1.0, stall=120.0)
+                           + f'router = "real"\n[cluster]\nnode = "{name}"\netcd = ["{self.etcd_url}"]\nlease_ttl = 3\n')
             bad = TP.replace("[servers.big.options]", '[servers.big.env]\nSUPERVISORD_GPU_STANDIN_FAULT = "crash-on-start"\n'
                                                       "[servers.big.options]")
             for profile, text in (("pd", PD), ("tp", TP), ("tpbad", bad)):
                 ctr.write_file(f"/etc/supervisord-gpu/profiles/{profile}.toml", text.format(**self.addr))
-            unit = (REPO / "units" / "gpusup-agent.service").read_text()
-            unit = unit.replace("ExecStart=/usr/bin/supervisord-gpu agent", f"ExecStart={REPO}/.venv/bin/supervisord-gpu agent")
-            ctr.write_file(AGENT_UNIT, unit.replace("\n[Install]", f"\nBindReadOnlyPaths={REPO}\n\n[Install]", 1))
             ctr.daemon_reload()
             if ctr.systemctl("start", "gpusup-agent", check=False).returncode != 0:
                 raise AssertionError(f"the agent of {name} did not start:\n" + ctr.journal("gpusup-agent*")[-3000:])
@@ -160,6 +172,22 @@ class Cluster:
     def active(self, instance: str) -> dict[str, str]:
         return {name: ctr.is_active(f"dsv4@{instance}") for name, ctr in self.nodes.items()}
 
+    def start(self, instance: str = "pd") -> None:
+        """`systemctl start dsv4@INSTANCE` on node a; the journals of both nodes if it fails."""
+        r = self.nodes["a"].systemctl("start", f"dsv4@{instance}", check=False, timeout=300)
+        if r.returncode != 0:
+            raise AssertionError(f"systemctl start dsv4@{instance} failed on a: {r.stderr}\n{self.journals()}")
+
+    def wait_for_verification(self, instance: str) -> None:
+        """Until node a's STATUS= says the cluster transition to `instance` is verifying (step 2)."""
+        def status() -> str:
+            return str(self.nodes["a"].systemctl("show", "-P", "StatusText", f"dsv4@{instance}").stdout)
+        try:
+            wait_for(lambda: "cluster step 2/3" in status(), 120, f"the transition to {instance} to reach the verification")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; a's dsv4@{instance}: {self.nodes['a'].is_active(f'dsv4@{instance}')}, "
+                                 f"STATUS={status()!r}\n{self.journals()}") from None
+
     def journals(self) -> str:
         return "\n".join(f"--- {n}: agent\n{c.journal('gpusup-agent*')[-3000:]}\n--- {n}: dsv4@*\n"
                          f"{c.journal('dsv4@*', '-p', 'info')[-4000:]}" for n, c in self.nodes.items())
@@ -168,10 +196,31 @@ class Cluster:
         return all(ctr.is_active("decoy") == "active" for ctr in self.nodes.values())
 
 
+def install_package(ctr, deb: Path) -> None:  # type: ignore[no-untyped-def]
+    """The built .deb, as an operator installs it (its dependencies are in the host's Debian)."""
+    r = ctr.run(["dpkg", "-i", f"/debs/{deb.name}"], check=False, timeout=180)
+    assert r.returncode == 0, f"dpkg -i {deb.name} failed:\n{r.stdout}\n{r.stderr}"
+    # The real sglang-router for the rehearsal's router, from the project's virtual environment:
+    # a .pth in Debian's own dist-packages is read last, so every Debian package (ours,
+    # python3-etcd3gw, psutil, pydbus) still wins and only what Debian lacks comes from there.
+    ctr.write_file("/usr/lib/python3/dist-packages/zz-tests-sglang-router.pth", sysconfig.get_paths()["purelib"] + "\n")
+    # the checkout holding that environment, visible under the unit's PrivateTmp (CI clones into /tmp)
+    ctr.write_file("/etc/systemd/system/dsv4@.service.d/tests-checkout.conf", f"[Service]\nBindReadOnlyPaths={REPO}\n")
+
+
+def install_checkout(ctr) -> None:  # type: ignore[no-untyped-def]
+    """This checkout, laid out as the .deb would (tests/box.py), with the package's agent unit."""
+    install(ctr, startup=1.0)
+    unit = (REPO / "units" / "gpusup-agent.service").read_text()
+    unit = unit.replace("ExecStart=/usr/bin/supervisord-gpu agent", f"ExecStart={REPO}/.venv/bin/supervisord-gpu agent")
+    ctr.write_file(AGENT_UNIT, unit.replace("\n[Install]", f"\nBindReadOnlyPaths={REPO}\n\n[Install]", 1))
+
+
 @contextlib.contextmanager
-def three_hosts() -> Iterator[Cluster]:
+def three_hosts(deb: Path | None = None) -> Iterator[Cluster]:
     """The cluster, booted; at the end every container halted and the network removed (the
-    tests, `make rehearse-cluster` and bench/cluster_bench.py all use it)."""
+    tests with the built `deb`; `make rehearse-cluster` and bench/cluster_bench.py with the
+    checkout)."""
     from rig.network import TestNetwork
     from rig.systemd_container import SystemdContainer, repo_binds, require_rig
 
@@ -185,7 +234,7 @@ def three_hosts() -> Iterator[Cluster]:
 
     net = TestNetwork()
     try:
-        yield Cluster(make, net)
+        yield Cluster(make, net, deb)
     finally:
         for ctr in made:
             ctr.stop()
@@ -193,8 +242,8 @@ def three_hosts() -> Iterator[Cluster]:
 
 
 @pytest.fixture
-def cluster():  # type: ignore[no-untyped-def]
-    with three_hosts() as booted:
+def cluster(deb):  # type: ignore[no-untyped-def]
+    with three_hosts(deb) as booted:
         yield booted
 
 
@@ -204,9 +253,16 @@ def first(seen: list[tuple[str, str]], key: str, state: str, after: int = -1) ->
 
 def test_pd_across_two_nodes_then_tp_over_both_and_back_in_order_without_cutting_a_request(cluster):
     a = cluster.nodes["a"]
-    a.systemctl("start", "dsv4@pd", timeout=180)  # on a alone: b's part is started by b's agent
+    cluster.start()  # on a alone: b's part is started by b's agent
     assert cluster.active("pd") == {"a": "active", "b": "active"}
-    shown = a.run([CTL, "status", "--cluster"]).stdout
+    for ctr in cluster.nodes.values():  # the package's daemon and agent, not the checkout's
+        assert ctr.run(["dpkg-query", "-W", "-f", "${Status}", "supervisord-gpu"]).stdout == "install ok installed"
+        assert "path=/usr/bin/supervisord-gpu" in ctr.systemctl("show", "-P", "ExecStart", "dsv4@pd").stdout
+        assert "path=/usr/bin/supervisord-gpu" in ctr.systemctl("show", "-P", "ExecStart", "gpusup-agent").stdout
+    # the real router (its Rust core loaded), not the stand-in, which names itself sglang::router too
+    routers = [p.pid for p in a.processes() if p.cgroup.endswith("/dsv4-pd-router.scope")]
+    assert routers and all("sglang_router_rs" in a.run(["cat", f"/proc/{pid}/maps"]).stdout for pid in routers), routers
+    shown = a.run([cluster.ctl, "status", "--cluster"]).stdout
     assert "node b: agent pid" in shown and "dsv4@pd a" in shown and "pd: decode ready" in shown, shown
     # TP1 servers use the first of their GPUs (as SGLang does); each node's GPUs by its own NVML
     assert "pd: prefill ready, router ready" in shown and shown.count("GPUs: 0 1000 MiB, 1 idle, 2 idle") == 2, shown
@@ -215,7 +271,7 @@ def test_pd_across_two_nodes_then_tp_over_both_and_back_in_order_without_cutting
     wait_for(lambda: a.run(["sh", "-c", "grep -c '\"status\": 200' /root/requests.jsonl || true"]).stdout.strip() not in ("", "0"),
              30, "requests through the router")
 
-    a.systemctl("start", "dsv4@tp", timeout=300)
+    cluster.start("tp")
     assert cluster.active("tp") == {"a": "active", "b": "active"}
     assert cluster.active("pd") == {"a": "inactive", "b": "inactive"}
     seen = cluster.history()
@@ -227,7 +283,7 @@ def test_pd_across_two_nodes_then_tp_over_both_and_back_in_order_without_cutting
     verified = max(i for i, (k, s) in enumerate(seen) if "/steps/2/" in k and s == "done")
     assert verified < min(i for i, (k, s) in enumerate(seen) if k.startswith("parts/tp/") and s == "starting"), seen
 
-    a.systemctl("start", "dsv4@pd", timeout=300)  # and back
+    cluster.start("pd")  # and back
     assert cluster.active("pd") == {"a": "active", "b": "active"} and cluster.active("tp") == {"a": "inactive", "b": "inactive"}
     a.systemctl("stop", "client")
     lines = [json.loads(x) for x in a.run(["cat", "/root/requests.jsonl"]).stdout.splitlines()]
@@ -243,7 +299,7 @@ def test_pd_across_two_nodes_then_tp_over_both_and_back_in_order_without_cutting
 
 def test_a_switch_whose_new_servers_fail_rolls_back_on_every_node(cluster):
     a = cluster.nodes["a"]
-    a.systemctl("start", "dsv4@pd", timeout=180)
+    cluster.start()
     r = a.systemctl("start", "dsv4@tpbad", check=False, timeout=300)
     assert r.returncode != 0
     status = a.systemctl("show", "-P", "StatusText", "dsv4@tpbad").stdout
@@ -258,13 +314,13 @@ def test_a_switch_whose_new_servers_fail_rolls_back_on_every_node(cluster):
 
 def test_etcd_away_keeps_the_running_parts_and_refuses_a_switch_touching_nothing(cluster):
     a = cluster.nodes["a"]
-    a.systemctl("start", "dsv4@pd", timeout=180)
+    cluster.start()
     cluster.stop_etcd()
     time.sleep(5)  # past the lease TTL: the daemons cannot renew
     assert cluster.active("pd") == {"a": "active", "b": "active"}
     assert a.run(["curl", "-sf", "-o", "/dev/null", "-w", "%{http_code}", "http://127.0.0.1:30001/readiness"],
                  check=False).stdout == "200"
-    r = a.run([CTL, "status", "--cluster"], check=False)
+    r = a.run([cluster.ctl, "status", "--cluster"], check=False)
     assert r.returncode == 4 and f"etcd at {cluster.etcd_url} cannot be reached" in r.stdout + r.stderr, r
     r = a.systemctl("start", "dsv4@tp", check=False, timeout=120)
     assert r.returncode != 0
@@ -276,7 +332,7 @@ def test_etcd_away_keeps_the_running_parts_and_refuses_a_switch_touching_nothing
 
 def test_a_node_lost_mid_transition_fails_it_naming_the_node(cluster):
     a, b = cluster.nodes["a"], cluster.nodes["b"]
-    a.systemctl("start", "dsv4@pd", timeout=180)
+    cluster.start()
     b.write_file("/etc/systemd/system/gpusup-agent.service.d/test.conf", "[Service]\nRestart=no\n")
     b.daemon_reload()
     # a foreign process holds GPU 0 on b, so b's verification waits (and names it)
@@ -284,8 +340,7 @@ def test_a_node_lost_mid_transition_fails_it_naming_the_node(cluster):
            "import os, time; from supervisord_gpu.checks.simgpu import SimulatedGpus; "
            "SimulatedGpus('/run/supervisord-gpu/simgpu').hold([0], 50000); time.sleep(3600)"])
     a.systemctl("start", "--no-block", "dsv4@tp")
-    wait_for(lambda: "cluster step 2/3" in a.systemctl("show", "-P", "StatusText", "dsv4@tp").stdout, 120,
-             "the transition to reach the verification")
+    cluster.wait_for_verification("tp")
     b.systemctl("kill", "--signal=KILL", "gpusup-agent")
     wait_for(lambda: a.is_active("dsv4@tp") in ("failed", "inactive"), 60, "the transition to fail")
     status = a.systemctl("show", "-P", "StatusText", "dsv4@tp").stdout
@@ -298,13 +353,12 @@ def test_a_node_lost_mid_transition_fails_it_naming_the_node(cluster):
 
 def test_a_second_switch_while_one_runs_waits_naming_it(cluster):
     a, b = cluster.nodes["a"], cluster.nodes["b"]
-    a.systemctl("start", "dsv4@pd", timeout=180)
+    cluster.start()
     b.run(["systemd-run", "--unit=holder", "--", PY, "-c",  # b's verification waits on a holder
            "import time; from supervisord_gpu.checks.simgpu import SimulatedGpus; "
            "SimulatedGpus('/run/supervisord-gpu/simgpu').hold([0], 50000); time.sleep(3600)"])
     a.systemctl("start", "--no-block", "dsv4@tp")
-    wait_for(lambda: "cluster step 2/3" in a.systemctl("show", "-P", "StatusText", "dsv4@tp").stdout, 120,
-             "the first transition to reach the verification")
+    cluster.wait_for_verification("tp")
     b.systemctl("start", "--no-block", "dsv4@tpbad")  # a second switch, from the other node
     wait_for(lambda: "waiting for the cluster transition to tp (coordinated by node a)"
              in b.systemctl("show", "-P", "StatusText", "dsv4@tpbad").stdout, 30, "the second switch to wait")
@@ -316,7 +370,7 @@ def test_a_second_switch_while_one_runs_waits_naming_it(cluster):
 
 def test_a_nodes_daemon_sigkilled_while_its_part_starts_ends_in_the_old_profile_everywhere(cluster):
     a, b = cluster.nodes["a"], cluster.nodes["b"]
-    a.systemctl("start", "dsv4@pd", timeout=180)
+    cluster.start()
     b.write_file("/etc/systemd/system/dsv4@.service.d/test-norestart.conf", "[Service]\nRestart=no\n")
     b.daemon_reload()
     a.systemctl("start", "--no-block", "dsv4@tp")
@@ -332,13 +386,12 @@ def test_a_nodes_daemon_sigkilled_while_its_part_starts_ends_in_the_old_profile_
 
 def test_etcd_lost_during_a_switch_ends_it_saying_so_and_starts_nothing_new(cluster):
     a, b = cluster.nodes["a"], cluster.nodes["b"]
-    a.systemctl("start", "dsv4@pd", timeout=180)
+    cluster.start()
     b.run(["systemd-run", "--unit=holder", "--", PY, "-c",  # b's verification waits on a holder...
            "import time; from supervisord_gpu.checks.simgpu import SimulatedGpus; "
            "SimulatedGpus('/run/supervisord-gpu/simgpu').hold([0], 50000); time.sleep(3600)"])
     a.systemctl("start", "--no-block", "dsv4@tp")
-    wait_for(lambda: "cluster step 2/3" in a.systemctl("show", "-P", "StatusText", "dsv4@tp").stdout, 120,
-             "the transition to reach the verification")
+    cluster.wait_for_verification("tp")
     cluster.stop_etcd()  # ...while etcd goes away
     wait_for(lambda: a.is_active("dsv4@tp") in ("failed", "inactive"), 60, "the transition to end")
     status = a.systemctl("show", "-P", "StatusText", "dsv4@tp").stdout

@@ -3,14 +3,13 @@ conffile over a reinstall, leaves running instances alone on removal, and purges
 real systemd (Debian 12 in a systemd-nspawn container).
 
 The .deb is built once per test session with `make deb DEB_OUT=<tmp>` (what a user runs,
-into a private directory) and bound read-only into each container at /debs.
+into a private directory: the `deb` fixture in conftest.py, which the cluster tests share) and
+bound read-only into each container at /debs.
 """
 
 from __future__ import annotations
 
 import os
-import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -19,11 +18,7 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.systemd]
 
 REPO = Path(__file__).resolve().parents[1]
-CHANGELOG = REPO / "packaging/debian/changelog"
-VERSION = re.match(r"\S+ \(([^)]+)\)", CHANGELOG.read_text()).group(1)  # type: ignore[union-attr]
 PACKAGE = "supervisord-gpu"
-DEB_NAME = f"{PACKAGE}_{VERSION}_all.deb"
-BUILD_TOOLS = ("dpkg-buildpackage", "dh", "dh_python3", "lintian")
 
 UNIT = "/lib/systemd/system/dsv4@.service"
 POLICY = "/usr/share/dbus-1/system.d/org.supervisordgpu.conf"
@@ -46,29 +41,6 @@ INSTALLED = (
     "/usr/lib/python3/dist-packages/supervisord_gpu/data/sglang-0.5.23-flags.txt",
 )
 APT_ENV = {"DEBIAN_FRONTEND": "noninteractive"}
-
-
-def _unavailable(reason: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason} (CI=true: the CI set-up must provide it)", pytrace=False)
-    pytest.skip(reason)
-
-
-@pytest.fixture(scope="session")
-def deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The package, built once per session by `make deb` into a private directory."""
-    missing = [t for t in BUILD_TOOLS if shutil.which(t, path="/usr/sbin:/usr/bin:/sbin:/bin") is None]
-    if missing and os.geteuid() != 0:  # as root, `make deb` installs its own build tools
-        _unavailable(f"building the .deb needs {', '.join(missing)} (apt-get install -y "
-                     "debhelper dh-python pybuild-plugin-pyproject python3-all python3-setuptools lintian)")
-    out = tmp_path_factory.mktemp("deb-out")
-    r = subprocess.run(["make", "--no-print-directory", "deb", f"DEB_OUT={out}"], cwd=REPO,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"make deb failed:\n{r.stdout}\n{r.stderr}"
-    path = out / DEB_NAME
-    assert path.is_file(), f"make deb did not produce {path}:\n{r.stdout}"
-    assert r.stdout.strip().splitlines()[-1] == str(path), "make deb should print the .deb path last"
-    return path
 
 
 def _dpkg_field(deb: Path, field: str) -> str:

@@ -35,6 +35,20 @@ def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
 
+def _lock_record(found: list[bytes]) -> dict[str, Any] | None:
+    """The lock's holder from a get of its key; None when there is none. A value that is not a
+    holder's record (written by something else under our prefix) is named, not a crash."""
+    if not found:
+        return None
+    try:
+        record = json.loads(found[0])
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        return {"to": "(unreadable lock record)", "node": "?", "value": found[0][:200].decode(errors="replace")}
+    return record
+
+
 class ClusterUnavailable(SupervisorError):
     """etcd cannot be reached: no cross-node change starts; running parts keep running."""
 
@@ -163,21 +177,27 @@ class ClusterStore:
             if self._client.create(self.key("lock"), json.dumps(holder, sort_keys=True), lease=lease):
                 return None
             found = self._client.get(self.key("lock"))
-        if not found:  # its holder's lease expired between the two calls: try once more
+        record = _lock_record(found)
+        if record is None:  # its holder's lease expired between the two calls: try once more
             return self.acquire(lease, holder)
-        return dict(json.loads(found[0]))
+        return record
 
     def holder(self) -> dict[str, Any] | None:
         with self._talking("reading the transition lock"):
             found = self._client.get(self.key("lock"))
-        return dict(json.loads(found[0])) if found else None
+        return _lock_record(found)
 
     def release(self, holder: dict[str, Any]) -> None:
-        """Drop the lock if it is still `holder`'s (never someone else's that came after)."""
+        """Drop the lock if it is still `holder`'s (never someone else's that came after): one
+        etcd transaction, compare the value and delete, so that no reader ever sees it half-gone."""
+        key = _b64(self.key("lock"))
         with self._talking("releasing the transition lock"):
-            self._client.replace(self.key("lock"), json.dumps(holder, sort_keys=True), "")  # compare-and-swap
-            if self._client.get(self.key("lock")) == [b""]:
-                self._client.delete(self.key("lock"))
+            self._client.transaction({
+                "compare": [{"key": key, "result": "EQUAL", "target": "VALUE",
+                             "value": _b64(json.dumps(holder, sort_keys=True))}],
+                "success": [{"request_delete_range": {"key": key}}],
+                "failure": [],
+            })
 
     # -- plans and step reports ------------------------------------------------------------
 
