@@ -12,7 +12,9 @@ command runs --runs times, interleaved, timed wall-clock from exec to exit:
   * `nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader` and
     `--query-compute-apps=pid,used_memory` (the scripted "nvidia-smi-style query");
   * `python3 -c pass` (interpreter start-up with this image's site: the floor any Python CLI pays),
-    the same without site (-I -S), and `import argparse, tomllib, pynvml` (what gpusupctl cannot avoid).
+    the same without site (-I -S), and `import argparse, tomllib, pynvml` (what gpusupctl cannot avoid);
+  * `gpusupctl gpus` and those imports again without the image's site (-S, the package and its
+    dependencies on PYTHONPATH): what the command costs where site is cheap, as on Debian.
 gpusupctl runs byte-compiled, as it is once installed (the .deb byte-compiles on install, pip
 does too): the device image sets PYTHONDONTWRITEBYTECODE=1 and ships pynvml and psutil without
 bytecode, so the benchmark gives gpusupctl a private PYTHONPYCACHEPREFIX and warms it once.
@@ -56,6 +58,14 @@ def main() -> int:
     compiled = {**base, "PYTHONPYCACHEPREFIX": tempfile.mkdtemp(prefix="gpusup-pycache-")}
     as_image = {**base, "PYTHONDONTWRITEBYTECODE": "1"}
     ctl = [sys.executable, "-m", "supervisord_gpu.cli.gpusupctl"]
+    # Without this image's site (-S): its site-packages hold torch's stack and cost ~60 ms at every
+    # start (see "python3 -c pass" against "-I -S"); a Debian host's /usr/bin/python3 has a small
+    # one. Our package, pynvml and psutil are then on PYTHONPATH only (no .pth is read).
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    lean = {**compiled, "PYTHONPATH": os.pathsep.join(dict.fromkeys([str(ROOT), paths["purelib"], paths["platlib"]]))}
+    ctl_lean = [sys.executable, "-S", "-m", "supervisord_gpu.cli.gpusupctl"]
     cfg = ["--config-dir", str(ROOT / "etc" / "supervisord-gpu")]
     smi = shutil.which("nvidia-smi") or "nvidia-smi"
     commands: dict[str, tuple[list[str], dict[str, str]]] = {
@@ -71,6 +81,11 @@ def main() -> int:
         # parser and TOML reader, and NVML's bindings (the owner's fixed dependencies)
         "python3 -c 'import argparse, tomllib, pynvml'": ([sys.executable, "-c", "import argparse, tomllib, pynvml"], compiled),
         "python3 -I -S -c pass (no site)": ([sys.executable, "-I", "-S", "-c", "pass"], compiled),
+        "gpusupctl gpus, no site (-S)": (ctl_lean + ["gpus"] + cfg, lean),
+        # NVML's bindings alone (the owner's fixed pynvml): no Python CLI reading NVML through them is quicker
+        "python3 -S -c 'import pynvml'": ([sys.executable, "-S", "-c", "import pynvml"], lean),
+        "python3 -S -c 'import argparse, tomllib, pynvml, psutil'": (
+            [sys.executable, "-S", "-c", "import argparse, tomllib, pynvml, psutil"], lean),
     }
     hog = start_hog("0", args.hold_gib)
     samples: dict[str, list[float]] = {k: [] for k in commands}
