@@ -30,7 +30,7 @@ from ..checks.gpus import GpuInventory
 from ..config.loader import load_profile
 from ..config.model import DaemonConfig, Profile
 from ..errors import PreconditionError, StartError, SupervisorError, TakeoverFailed
-from .gate import ClusterGate
+from .gate import ClusterGate, in_worker
 from .plan import ClusterPlan, NodeWork, Step, plan_switch
 from .store import ClusterStore, NodeLost, StepFailed
 
@@ -107,15 +107,8 @@ def roll_back_failed_start(gate: ClusterGate) -> str:
 
 
 async def waited(store: ClusterStore, tid: str, step: Step, deadline: float, closing: threading.Event) -> Any:
-    """store.wait_step in a worker thread that ends when we are cancelled or the daemon exits
-    (the thread would otherwise hold the interpreter's exit until the step's deadline)."""
-    abort = threading.Event()
-    try:
-        return await asyncio.to_thread(store.wait_step, tid, step.number, step.nodes(), deadline,
-                                       lambda: abort.is_set() or closing.is_set())
-    except asyncio.CancelledError:
-        abort.set()
-        raise
+    """store.wait_step in a worker thread that ends when we are cancelled or the daemon exits."""
+    return await in_worker(lambda aborted: store.wait_step(tid, step.number, step.nodes(), deadline, aborted), closing)
 
 
 async def _release_when_started(store: ClusterStore, plan: ClusterPlan, tid: str, me: dict[str, Any],

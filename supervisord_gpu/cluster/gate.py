@@ -143,11 +143,17 @@ class ClusterGate:
 
     async def _in_thread(self, settled: Callable[[], Any], deadline: float) -> Any:
         """store.wait in one worker thread (its reads and watches must share the thread: the
-        watch starts right after the read's revision); abandoned if we are cancelled."""
-        abort = threading.Event()
-        try:
-            return await asyncio.to_thread(self.store.wait, settled, deadline, None,
-                                           lambda: abort.is_set() or self.closing.is_set())
-        except asyncio.CancelledError:
-            abort.set()
-            raise
+        watch starts right after the read's revision)."""
+        return await in_worker(lambda aborted: self.store.wait(settled, deadline, None, aborted), self.closing)
+
+
+async def in_worker(wait: Callable[[Callable[[], bool]], Any], closing: threading.Event) -> Any:
+    """Run a blocking store wait, `wait(aborted)`, in a worker thread that gives up when we are
+    cancelled or the daemon is closing: the thread would otherwise hold the interpreter's exit
+    until the wait's deadline."""
+    abort = threading.Event()
+    try:
+        return await asyncio.to_thread(wait, lambda: abort.is_set() or closing.is_set())
+    except asyncio.CancelledError:
+        abort.set()
+        raise
