@@ -64,7 +64,8 @@ def build_instance(cfg: DaemonConfig, profile: Profile, opts: RunOptions):  # ty
         from .cluster.store import ClusterStore
 
         gate = ClusterGate(ClusterStore(cfg.cluster), profile, cfg.cluster.node, lambda m, prio: sink.event(m, prio))
-    instance = Instance(profile, launches, driver, sink, leftovers=cfg.leftovers, gate=gate)
+    instance = Instance(profile, launches, driver, sink, leftovers=cfg.leftovers, gate=gate,
+                        start_stall_s=cfg.start_stall_timeout_s)
     if gate is not None:
         instance.listeners.append(gate.on_event)
     return instance, sink

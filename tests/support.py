@@ -88,6 +88,7 @@ def write_config(
     extra: str = "",
     router: str = "auto",
     gpu_count: int = 8,
+    daemon_extra: str = "",
 ) -> Path:
     cdir = tmp / "etc"
     (cdir / "profiles").mkdir(parents=True, exist_ok=True)
@@ -100,6 +101,7 @@ def write_config(
             runtime_dir = "{tmp / 'run'}"
             cache_dir = "{tmp / 'cache'}"
             default_user = "root"
+            {daemon_extra}
             [gpus]
             backend = "simulated"
             wait_idle_timeout = 5

@@ -148,6 +148,8 @@ def render(data: dict[str, Any], colour: bool | None = None) -> str:
                 lines.append(
                     f"  {p['name'][:8]:<9}{p['role'][:7]:<8}{p['pid'] or '-':>8} {p['port']:>6} {_ranges(p['gpus']):<6}"
                     f"{phase[:19]:<20}{p['restarts']:>3}  {c(p['state'])}"
+                    + ("  not serving (paused, latched by a failed /health, or draining)"
+                       if p["state"] == "ready" and p.get("serving") is False else "")
                 )
                 if p.get("last_error") and p["state"] in ("failed", "restarting", "stopped"):
                     lines.append(f"    last error: {p['last_error'][:64]}")  # root and the control group see it

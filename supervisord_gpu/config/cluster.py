@@ -149,7 +149,7 @@ def part(profile: Profile, node: str) -> Profile:
     for spec in profile.processes:
         if node in spec.nodes and spec.nodes.index(node) > 0:
             # a rank > 0 has only SGLang's dummy health server: /health answers at once, /ready is a 404
-            probe = replace(spec.probe, path="/health", liveness_path="/health")
+            probe = replace(spec.probe, path="/health", liveness_path="/health", scheduler_path=None)
             local.append(replace(spec, node=node, node_rank=spec.nodes.index(node), address=known[node], probe=probe))
         elif spec.node == node:
             local.append(spec)

@@ -14,6 +14,7 @@ from typing import Any
 import tomllib  # Python 3.11+ (Debian 12); older Pythons would use the tomli package
 
 from ..errors import ConfigError
+from ..records import replace as _replace
 from ..ownership.names import INSTANCE_NAME_RE, PROCESS_NAME_RE
 from .model import (
     ClusterConfig,
@@ -40,11 +41,16 @@ MAX_PROCESSES = 256
 PACKAGE_USER = "sglang"  # the unprivileged system user the package creates (postinst)
 ROUTER = "router"
 
-#: readiness: SGLang's deep /health (>= 1 s, SGLang itself gives up at 20 s); liveness: its cheap /ready.
-#: A hung server is killed within 3 x (10 + 20) = 90 s, well inside SGLang's own 300 s watchdog.
+#: readiness: SGLang's deep /health (>= 1 s, SGLang itself gives up at 20 s); liveness: its front end
+#: (/ready answered at all) and its scheduler (/server_info), see engine/liveness.py. A server whose
+#: front end is hung is killed within 3 x (10 + 20) = 90 s; one whose scheduler answers nothing,
+#: after SGLang's own watchdog time (300 s, or the profile's watchdog-timeout).
 SERVER_PROBE = Probe(path="/health", interval_s=0.5, timeout_s=timing.HEALTH_VERDICT_S + 5,
                      liveness_path=timing.CHEAP_STATUS_PATH, liveness_interval_s=10.0,
-                     liveness_timeout_s=timing.HEALTH_VERDICT_S, failures=3)
+                     liveness_timeout_s=timing.HEALTH_VERDICT_S, failures=3,
+                     scheduler_path=timing.SCHEDULER_ROUND_TRIP_PATH, scheduler_timeout_s=timing.WATCHDOG_S)
+#: a hard cap on a start that keeps making progress (engine/deadline.py)
+START_TIMEOUT_MAX_S = 14400.0
 #: the router: /readiness (all workers healthy) and /liveness, both instant
 ROUTER_PROBE = Probe(path="/readiness", interval_s=0.2, timeout_s=5.0, liveness_path="/liveness",
                      liveness_interval_s=10.0, liveness_timeout_s=10.0, failures=3)
@@ -312,6 +318,7 @@ def parse_profile(name: str, path: Path, data: dict[str, Any], default_user: str
         "user": df.str("user", default_user),
         "start_timeout": df.number("start_timeout", None, lo=0.1, hi=86400),
         "stop_timeout": df.number("stop_timeout", None, lo=0.1, hi=86400),
+        "start_timeout_max": df.number("start_timeout_max", None, lo=0.1, hi=7 * 86400),
     }
     default_env = _env(df.table("env"))
     df.finish()
@@ -329,6 +336,7 @@ def parse_profile(name: str, path: Path, data: dict[str, Any], default_user: str
     if len(specs) > MAX_PROCESSES:
         raise ConfigError(path, "servers", f"too many processes ({len(specs)}; at most {MAX_PROCESSES})")
 
+    specs = _own_nccl_ports(specs)
     _check_gpus(path, specs)
     for node in dict.fromkeys(s.node for s in specs):  # ports collide only on the same machine
         _check_ports(path, [s for s in specs if s.node == node])
@@ -376,6 +384,10 @@ def _common(t: Table, defaults: dict[str, Any], start_default: float, stop_defau
     after = t.list("after", _process_name(Path(t.path)), None)
     start_timeout = t.number("start_timeout", defaults["start_timeout"] or start_default, lo=0.1, hi=86400)
     stop_timeout = t.number("stop_timeout", defaults["stop_timeout"] or stop_default, lo=0.1, hi=86400)
+    start_max = t.number("start_timeout_max", defaults["start_timeout_max"] or max(START_TIMEOUT_MAX_S, start_timeout),
+                         lo=0.1, hi=7 * 86400)
+    if start_max < start_timeout:
+        raise t.error("start_timeout_max", f"{start_max:g} s is shorter than start_timeout ({start_timeout:g} s)")
     user = t.str("user", defaults["user"])
     if user is None:
         raise t.error("user", "is not set, so it would run as the daemon's user (root); set user = "
@@ -386,6 +398,7 @@ def _common(t: Table, defaults: dict[str, Any], start_default: float, stop_defau
         "after": after,
         "start_timeout_s": float(start_timeout),
         "stop_timeout_s": float(stop_timeout),
+        "start_timeout_max_s": float(start_max),
         "user": user,
     }
 
@@ -400,6 +413,9 @@ def _probe(t: Table, defaults: Probe, server: bool) -> Probe:
         liveness_interval_s=p.number("liveness_interval", defaults.liveness_interval_s, lo=0.05, hi=86400),
         liveness_timeout_s=p.number("liveness_timeout", defaults.liveness_timeout_s, lo=0.05, hi=600),
         failures=p.int("failures", defaults.failures, lo=1, hi=1000),
+        scheduler_path=defaults.scheduler_path,
+        scheduler_timeout_s=p.number("scheduler_timeout", defaults.scheduler_timeout_s, lo=0.05, hi=86400)
+        if defaults.scheduler_path else defaults.scheduler_timeout_s,
     )
     for key, value in (("path", probe.path), ("liveness_path", probe.liveness_path)):
         if not value.startswith("/"):
@@ -423,6 +439,15 @@ def _never_stricter_than_sglang(p: Table, probe: Probe) -> None:
                                           f"liveness_timeout of at least {timing.HEALTH_VERDICT_S:g}")
 
 
+def _server_probe_defaults(options: tuple[tuple[str, Any], ...]) -> Probe:
+    """A scheduler that answers nothing is hung after SGLang's own --watchdog-timeout: with the
+    profile's value when it sets one (we are never stricter than SGLang on itself)."""
+    watchdog = dict(options).get("watchdog-timeout")
+    if isinstance(watchdog, (int, float)) and not isinstance(watchdog, bool) and watchdog > 0:
+        return _replace(SERVER_PROBE, scheduler_timeout_s=float(watchdog))
+    return SERVER_PROBE
+
+
 def _server(path: Path, name: str, data: Any, defaults: dict[str, Any], default_env: tuple,
             nodes: tuple[tuple[str, str], ...] = ()) -> ProcessSpec:
     key = f"servers.{name}"
@@ -443,8 +468,8 @@ def _server(path: Path, name: str, data: Any, defaults: dict[str, Any], default_
     if not model_path.strip():
         raise t.error("model_path", "must not be empty")
     common = _common(t, defaults, 900.0, 60.0)
-    probe = _probe(t, SERVER_PROBE, server=True)
     options = _options(t.table("options"), SERVER_MANAGED)
+    probe = _probe(t, _server_probe_defaults(options), server=True)
     env = default_env + _env(t.table("env"))
     where = cluster.placement(t, nodes, server=True)
     t.finish()
@@ -639,6 +664,32 @@ def _check_ports(path: Path, specs: list[ProcessSpec]) -> None:
                     raise ConfigError(path, f"{s.key}.port", f"port {port} ({listen.label}) is also used by {label} ({other_where})")
             seen.append((listen.host, listen.port, listen.label, s.key))
     _check_sglang_ports(path, specs)
+
+
+#: a server without --nccl-port that shares its machine with another server gets port + this
+NCCL_PORT_OFFSET = 50
+
+
+def _own_nccl_ports(specs: list[ProcessSpec]) -> list[ProcessSpec]:
+    """Give each server of a machine with several its own --nccl-port (its port + 50).
+
+    Without one SGLang draws it at random in 22000-29999, checks it free, and binds it only
+    later: two servers of one profile starting side by side can draw the same port, and the
+    second dies minutes into its start. A fixed port outside that range is checked free
+    before anything starts, like every other port of the profile (a collision is a config
+    error naming the key: set options.nccl-port). A server spanning nodes uses its
+    dist-init address instead and is left alone."""
+    per_node: dict[str | None, int] = {}
+    for s in specs:
+        if s.kind == "server" and not s.nodes:
+            per_node[s.node] = per_node.get(s.node, 0) + 1
+    out = []
+    for s in specs:
+        if (s.kind == "server" and not s.nodes and per_node.get(s.node, 0) > 1 and s.option("nccl-port") is None
+                and s.port + NCCL_PORT_OFFSET <= MAX_PORT):
+            s = _replace(s, options=(*s.options, ("nccl-port", s.port + NCCL_PORT_OFFSET)))
+        out.append(s)
+    return out
 
 
 def _check_sglang_ports(path: Path, specs: list[ProcessSpec]) -> None:

@@ -10,15 +10,20 @@ OptionValue = str | int | float | bool | tuple[str, ...]
 
 Role = Literal["regular", "prefill", "decode", "router"]
 
+#: SGLang 0.5.23 with dp-attention across nodes binds these offsets of --dist-init-addr's port
+#: on every node (sglang-server.md, second round)
+DP_ATTENTION_DIST_INIT_OFFSETS = (1, 2, 3, 4, 5, 6, 13)
+
 
 @dataclass(frozen=True)
 class Probe:
     """How readiness is observed (an HTTP GET that must answer 200), and liveness after it.
 
     Servers: readiness is SGLang's deep check (/health runs a one-token generation, >= 1 s,
-    up to SGLang's own 20 s verdict), liveness its cheap status check (/ready): a busy
-    healthy server is slow to generate but quick to say it is up. Routers: /readiness
-    (all workers healthy) and /liveness.
+    up to SGLang's own 20 s verdict), liveness its front end (/ready answered at all: a 503
+    there means paused, latched or draining, not dead) and its scheduler (/server_info
+    answered within scheduler_timeout): see engine/liveness.py. Routers: /readiness (all
+    workers healthy) and /liveness.
     """
 
     path: str
@@ -30,6 +35,10 @@ class Probe:
     liveness_interval_s: float = 10.0
     liveness_timeout_s: float = 20.0
     failures: int = 3
+    #: servers: a request the scheduler itself answers (SGLang's /server_info), None for none;
+    #: a scheduler that answers nothing for scheduler_timeout_s is hung (engine/liveness.py)
+    scheduler_path: str | None = None
+    scheduler_timeout_s: float = 300.0
 
     @property
     def liveness_bound_s(self) -> float:
@@ -75,8 +84,11 @@ class ProcessSpec:
     user: str | None
     after: tuple[str, ...]
     probe: Probe
+    #: a start with no progress fails after start_timeout_s; each progress (a line, a `\r`
+    #: update) extends it to start_stall_timeout after that progress, up to start_timeout_max_s
     start_timeout_s: float
     stop_timeout_s: float
+    start_timeout_max_s: float = 14400.0
     # router only
     router_mode: Literal["regular", "pd"] | None = None
     workers: tuple[str, ...] = ()
@@ -143,6 +155,14 @@ class ProcessSpec:
         if self.dist_init_port is not None and self.node_rank == 0:
             # torch.distributed's TCPStore on rank 0, on every address (the other ranks dial in)
             out.append(Listen("0.0.0.0", self.dist_init_port, f"{self.name} dist-init", f"{self.key}.dist_init_port"))
+        nccl = self.option("nccl-port")
+        if self.kind == "server" and isinstance(nccl, int) and not isinstance(nccl, bool):
+            # torch.distributed's store for the TP group on --nccl-port (every address)
+            out.append(Listen("0.0.0.0", nccl, f"{self.name} nccl", f"{self.key}.options.nccl-port"))
+        if self.dist_init_port is not None and self.nodes and self.option("enable-dp-attention") is True:
+            # with dp-attention across nodes SGLang also binds dist-init +1..+6 and +13 on each node
+            out += [Listen("0.0.0.0", self.dist_init_port + off, f"{self.name} dp-attention dist-init+{off}",
+                           f"{self.key}.dist_init_port") for off in DP_ATTENTION_DIST_INIT_OFFSETS]
         if self.role == "prefill":
             out.append(Listen(self.host, self.bootstrap_port or 8998, f"{self.name} bootstrap",
                               f"{self.key}.options.disaggregation-bootstrap-port"))

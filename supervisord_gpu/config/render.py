@@ -133,7 +133,7 @@ def render(profile: Profile, cfg: DaemonConfig, rehearsal_env: Mapping[str, str]
         env.append(("TMPDIR", str(tmpdir)))
         cache_root = cfg.cache_dir / account if spec.kind == "server" else None
         if cache_root is not None:
-            env += cache_environment(cache_root)
+            env += cache_environment(cache_root, dict(env).get("HOME"))
         # Rehearsal defaults next, so a profile's own env (a fault to inject, a start-up time) wins.
         env += list(rehearsal_env.items()) if rehearsal_env is not None else []
         env += spec.env

@@ -18,7 +18,7 @@ from ..config.render import Launch
 from ..errors import StartError, SupervisorError
 from ..ownership.base import OwnershipDriver
 from .events import Event, Listener, LogSink
-from .process import ManagedProcess, ProcessStatus
+from .process import START_STALL_S, ManagedProcess, ProcessStatus
 from .states import State
 from .traffic import RouterWorkers, wait_drained
 
@@ -70,6 +70,7 @@ class Instance:
         leftovers: str = "clean",
         base_env: Mapping[str, str] | None = None,
         gate: Gate | None = None,
+        start_stall_s: float = START_STALL_S,
     ) -> None:
         self.profile = profile
         self.gate = gate
@@ -89,7 +90,7 @@ class Instance:
         env = dict(os.environ if base_env is None else base_env)
         self.processes: dict[str, ManagedProcess] = {}
         for launch in launches:
-            proc = ManagedProcess(self.name, launch, owner, sink, self._emit, env)
+            proc = ManagedProcess(self.name, launch, owner, sink, self._emit, env, start_stall_s)
             proc.on_unexpected_exit = self._on_unexpected_exit
             self.processes[launch.spec.name] = proc
         self._restart_tasks: dict[str, asyncio.Task[None]] = {}

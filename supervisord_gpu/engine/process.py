@@ -22,9 +22,11 @@ from ..ownership.base import OwnershipDriver, Spawned, SpawnRequest
 from ..ownership.files import PrivateDir, ShmTracker
 from ..sglang import exits
 from ..sglang import logs as phases
+from .deadline import StartDeadline
 from .events import Event, LogSink
+from .liveness import LivenessWatch
 from .output import OutputSplitter
-from .probe import ProbeResult, probe
+from .probe import ProbeResult, probe, request
 from .states import State
 
 TAIL_LINES = 20
@@ -32,6 +34,8 @@ KILL_GRACE_S = 5.0  # after SIGKILL of the whole cgroup, how long until we call 
 READ_CHUNK = 1 << 16
 PROGRESS_LOG_S = 10.0  # a progress bar's state goes to the journal at most this often
 PIPE_DRAIN_S = 0.5  # after the exit: how long to read what it printed last
+#: no progress for this long after the last one fails a start (the daemon's start_stall_timeout)
+START_STALL_S = 120.0
 
 
 @dataclass
@@ -63,6 +67,8 @@ class ProcessStatus:
     progress: str = ""
     #: the last error line it printed: the child's words, for privileged readers only (see the bus)
     last_error: str = ""
+    #: ready, but SGLang's /ready says 503: paused, latched by a failed /health, or draining
+    serving: bool = True
 
 
 class ManagedProcess:
@@ -74,6 +80,7 @@ class ManagedProcess:
         sink: LogSink,
         emit: Callable[[Event], None],
         base_env: Mapping[str, str],
+        start_stall_s: float = START_STALL_S,
     ) -> None:
         self.instance = instance
         self.launch = launch
@@ -83,6 +90,11 @@ class ManagedProcess:
         self.sink = sink
         self.emit = emit
         self.base_env = base_env
+        self.start_stall_s = start_stall_s
+        #: while waiting for readiness: the rule its deadline follows (None otherwise)
+        self.start_deadline: StartDeadline | None = None
+        #: after ready: False while SGLang's /ready says 503 (paused, latched or draining)
+        self.serving = True
         self.state = State.STOPPED
         self.spawned: Spawned | None = None
         self.phase = ""
@@ -107,7 +119,7 @@ class ManagedProcess:
         uid, gid = _ids_of(launch.user)
         self.tmpdir = PrivateDir(launch.tmpdir, uid, gid) if launch.tmpdir else None
         self.cache = PrivateDir(launch.cache_root, uid, gid) if launch.cache_root else None
-        self.shm = ShmTracker()
+        self.shm = ShmTracker(uid)
         self.last_stop_s: float | None = None
         self.phase_durations: dict[str, float] = {}
         self._exited = asyncio.Event()
@@ -160,6 +172,7 @@ class ManagedProcess:
             history=[{"at": h.at, "state": h.state, "detail": h.detail} for h in self.history],
             progress=self.progress_text,
             last_error=self.last_error,
+            serving=self.serving,
         )
 
     # ------------------------------------------------------------------ start
@@ -315,7 +328,20 @@ class ManagedProcess:
         on the latter two and on a stranger listening on our port."""
         spec = self.spec
         started = time.monotonic()
-        deadline = started + spec.start_timeout_s
+        rule = self.start_deadline = StartDeadline(started, spec.start_timeout_s, self.start_stall_s,
+                                                  max(spec.start_timeout_max_s, spec.start_timeout_s))
+        try:
+            await self._probe_until_ready(started, rule)
+        finally:
+            self.start_deadline = None
+
+    def deadline_at(self) -> float | None:
+        """While waiting for readiness: the monotonic time this start fails at, if nothing moves."""
+        rule = self.start_deadline
+        return rule.at(self.last_output_at) if rule is not None else None
+
+    async def _probe_until_ready(self, started: float, rule: StartDeadline) -> None:
+        spec = self.spec
         host = spec.probe_host
         while True:
             if self._exited.is_set():
@@ -340,11 +366,12 @@ class ManagedProcess:
                     GPUSUP_DURATION_S=f"{time.monotonic() - started:.3f}",
                 )
                 return
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = rule.at(self.last_output_at) - now
             if remaining <= 0:
                 raise StartError(
                     self._failure(
-                        f"not ready within its start_timeout of {spec.start_timeout_s:g} s "
+                        f"{rule.why(now, self.last_output_at)} "
                         f"(phase: {self.phase}; last probe: {status or 'no answer'})"
                     )
                 )
@@ -368,33 +395,59 @@ class ManagedProcess:
         return answer.result()
 
     async def _watch_liveness(self) -> None:
-        """After ready: a process that stops answering (hung, SIGSTOPped, deadlocked) is killed with its
-        cgroup after `failures` misses in a row; its exit then goes through the restart policy.
+        """After ready: kill only the dead (engine/liveness.py has what each answer means).
 
-        Servers are asked SGLang's cheap /ready (no generation), with a timeout no shorter than
-        SGLang's own health verdict: a busy healthy server is slow to generate, not to answer.
+        Every liveness_interval: SGLang's /ready, from its front end (a 503 there is paused,
+        latched or draining, never death), and, for servers, one scheduler round-trip kept in
+        flight (/server_info). The cgroup is killed when the front end gave no answer
+        `failures` times in a row, or the scheduler answered nothing for scheduler_timeout;
+        the exit then goes through the restart policy.
         """
         spec, cfg = self.spec, self.spec.probe
-        misses = 0
-        while True:
-            await asyncio.sleep(cfg.liveness_interval_s)
-            if self.state != State.READY or self._exited.is_set() or self.spawned is None:
-                return
-            await asyncio.to_thread(self._scan_files)
-            status = (await probe(spec.probe_host, spec.port, cfg.liveness_path, cfg.liveness_timeout_s)).status
+        watch = LivenessWatch(cfg, time.monotonic())
+        asking: asyncio.Task[None] | None = None
+
+        async def ask_scheduler() -> None:
+            assert cfg.scheduler_path is not None
+            status, _ = await request("GET", spec.probe_host, spec.port, cfg.scheduler_path,
+                                      timeout=cfg.scheduler_timeout_s)
             if status == 200:
-                misses = 0
-                continue
-            misses += 1
-            if misses >= cfg.failures:
-                self.signals_sent[signal.SIGKILL] = f"{cfg.liveness_path} failed {misses} times in a row"
-                self.sink.event(
-                    f"{self.name}: {cfg.liveness_path} failed {misses} times in a row ({status or 'no answer'} within "
-                    f"{cfg.liveness_timeout_s:g} s); killing its cgroup so the restart policy can bring it back",
-                    3, GPUSUP_PROCESS=self.name, GPUSUP_EVENT="unhealthy",
-                )
-                self.spawned.group.kill_all()
-                return
+                watch.scheduler_answered(time.monotonic())
+
+        try:
+            while True:
+                await asyncio.sleep(cfg.liveness_interval_s)
+                if self.state != State.READY or self._exited.is_set() or self.spawned is None:
+                    return
+                await asyncio.to_thread(self._scan_files)
+                if watch.asks_scheduler and (asking is None or asking.done()):
+                    asking = asyncio.ensure_future(ask_scheduler())
+                status = (await probe(spec.probe_host, spec.port, cfg.liveness_path, cfg.liveness_timeout_s)).status
+                verdict = watch.front(status, time.monotonic())
+                self._note_serving(verdict.serving, status)
+                if verdict.kill:
+                    self.signals_sent[signal.SIGKILL] = verdict.kill
+                    self.sink.event(f"{self.name}: {verdict.kill}; killing its cgroup so the restart policy can "
+                                    "bring it back", 3, GPUSUP_PROCESS=self.name, GPUSUP_EVENT="unhealthy")
+                    self.spawned.group.kill_all()
+                    return
+        finally:
+            if asking is not None:
+                asking.cancel()
+            self.serving = True
+
+    def _note_serving(self, serving: bool, status: int | None) -> None:
+        """SGLang says it is up but not serving (/ready 503), or serves again: one journal line each."""
+        if serving == self.serving:
+            return
+        self.serving = serving
+        if not serving:
+            self.sink.event(f"{self.name}: {self.spec.probe.liveness_path} answered {status}: not serving (paused, "
+                            "latched by a failed /health, or draining); it answers, so it is left running",
+                            4, GPUSUP_PROCESS=self.name, GPUSUP_EVENT="not-serving")
+        else:
+            self.sink.event(f"{self.name}: serving again ({self.spec.probe.liveness_path} answered 200)", 6,
+                            GPUSUP_PROCESS=self.name, GPUSUP_EVENT="serving")
 
     @property
     def exit_report(self) -> str:

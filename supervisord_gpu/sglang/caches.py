@@ -10,6 +10,15 @@ Read from SGLang 0.5.23 (environ.py `redirect_third_party_caches`, which only *d
 to `$SGLANG_CACHE_DIR`, so what we set wins) and the libraries it pins: DeepGEMM's cache is
 forced from SGLANG_DG_CACHE_DIR (DG_JIT_CACHE_DIR alone is overwritten), SGLang's JIT kernels
 do not follow SGLANG_CACHE_DIR, and tvm-ffi and outlines follow neither it nor XDG_CACHE_HOME.
+CuTe DSL (a hard dependency of 0.5.23: FlashAttention-4, FlashInfer paths) caches its JIT under
+CUTE_DSL_CACHE_DIR, else under $TMPDIR (`cache_helpers.py:66-82`), which we empty at every start.
+
+The Hugging Face hub is not a compile cache: it holds downloaded models and the user's token
+(HF_HOME, else $XDG_CACHE_HOME/huggingface). Our XDG_CACHE_HOME would move it, so a
+`model_path` given as a hub id would download again, or fail on a gated model for want of the
+token. HF_HOME is pinned to where the user's own hub is (~/.cache/huggingface) when the user
+has a home; a system user without one (the package's `sglang`, home /nonexistent) gets a hub in
+its persistent cache instead. A profile's own `env` (HF_HOME, HF_TOKEN_PATH, HF_HUB_CACHE) wins.
 """
 
 from __future__ import annotations
@@ -31,9 +40,19 @@ CACHE_VARIABLES: tuple[tuple[str, str], ...] = (
     ("TORCH_EXTENSIONS_DIR", "torch_extensions"),
     ("TVM_FFI_CACHE_DIR", "tvm-ffi"),
     ("OUTLINES_CACHE_DIR", "outlines"),
+    ("CUTE_DSL_CACHE_DIR", "sglang/cute_dsl"),
 )
 
 
-def cache_environment(root: Path) -> list[tuple[str, str]]:
-    """The variables for a server whose caches live under `root`."""
-    return [(name, str(root / sub) if sub else str(root)) for name, sub in CACHE_VARIABLES]
+def cache_environment(root: Path, home: str | None = None) -> list[tuple[str, str]]:
+    """The variables for a server whose caches live under `root`, its user's home being `home`."""
+    env = [(name, str(root / sub) if sub else str(root)) for name, sub in CACHE_VARIABLES]
+    return env + [("HF_HOME", hub_home(root, home))]
+
+
+def hub_home(root: Path, home: str | None) -> str:
+    """Where the user's Hugging Face hub and token already are: ~/.cache/huggingface with a
+    real home directory, else a hub of its own in the persistent cache."""
+    if home and home != "/nonexistent" and Path(home).is_dir():
+        return str(Path(home) / ".cache" / "huggingface")
+    return str(root / "huggingface")

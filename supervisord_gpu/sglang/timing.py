@@ -22,8 +22,11 @@ SCHEDULER_EXIT_WAIT_S = 15.0
 
 #: paths that run a generation (the deep check): fine for readiness, too costly for liveness
 DEEP_HEALTH_PATHS = ("/health", "/health_generate")
-#: the cheap status check: 200 iff up, not paused, not draining
+#: the cheap status check, answered by the HTTP front end alone: 200 iff up, not paused, not
+#: draining and not latched UnHealthy by a failed /health; a 503 there is not death
 CHEAP_STATUS_PATH = "/ready"
+#: a request the scheduler answers itself (get_internal_state), also while generation is paused
+SCHEDULER_ROUND_TRIP_PATH = "/server_info"
 
 #: with no --nccl-port, every server picks its NCCL port at random in this range
 #: (get_free_port_below_ephemeral: 22000-29999, capped below the ephemeral range): a port a

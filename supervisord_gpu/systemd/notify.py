@@ -1,8 +1,10 @@
 """sd_notify: READY=1 only when every process is ready, a human STATUS=, and keep-alives.
 
-EXTEND_TIMEOUT_USEC is sent only while start-up makes progress (a new log line, a phase
-change, a process turning ready): a server stuck in one phase with nothing to say lets
-systemd's TimeoutStartSec fire, as it should. WATCHDOG=1 comes from the event loop itself,
+EXTEND_TIMEOUT_USEC follows the engine's own start deadline (engine/deadline.py): the window
+closes when the loading process's deadline passes (start_timeout with no progress, each
+progress moving it to start_stall_timeout after it, start_timeout_max at most), so systemd
+never ends a start the engine would still allow, and a server stuck in one phase with nothing
+to say lets systemd's TimeoutStartSec fire, as it should. WATCHDOG=1 comes from the event loop itself,
 so a wedged loop stops feeding it.
 """
 
@@ -19,12 +21,13 @@ from collections.abc import Callable
 
 from ..engine.events import Event
 from ..engine.instance import Instance, InstanceStatus
+from ..engine.process import START_STALL_S
 from ..config.model import gpu_ranges
 from ..engine.states import State
 
 _PERCENT = re.compile(r"(\d{1,3})%")  # a tqdm bar's percentage
 EXTEND_MARGIN_S = 5.0  # beyond the stall limit, so one late tick cannot fail a healthy start
-STALL_S = 120.0  # no progress for this long: stop extending
+STALL_S = START_STALL_S  # no progress for this long: stop extending
 
 
 def status_text(st: InstanceStatus) -> str:
@@ -133,15 +136,25 @@ class Notifier:
                 self.last_progress = max(self.last_progress, max(lines))
             st = instance.status()
             self.status(status_text(st))
-            quiet = time.monotonic() - self.last_progress
-            if st.state == State.STARTING.value and quiet < self.stall_s:
-                # A window, not a grant: it closes stall_s after the last progress (plus a margin
-                # for the next tick), so a start that goes quiet fails within that, not later.
-                window = self.stall_s - quiet + EXTEND_MARGIN_S
-                self.send(f"EXTEND_TIMEOUT_USEC={int(window * 1e6)}")
+            if st.state == State.STARTING.value:
+                window = self.start_window(instance)
+                if window > 0:
+                    self.send(f"EXTEND_TIMEOUT_USEC={int(window * 1e6)}")
             if self.watchdog_s and healthy():
                 self.send("WATCHDOG=1")
             await asyncio.sleep(period)
+
+
+    def start_window(self, instance: Instance) -> float:
+        """Seconds systemd should wait from now: a window, not a grant. While a process waits
+        for readiness, until its deadline (plus a margin for the next tick); between processes,
+        stall_s after the last progress. A start that goes quiet fails within that, not later."""
+        now = time.monotonic()
+        deadlines = [d for d in (p.deadline_at() for p in instance.processes.values()) if d is not None]
+        if deadlines:
+            return max(deadlines) - now + EXTEND_MARGIN_S
+        quiet = now - self.last_progress
+        return self.stall_s - quiet + EXTEND_MARGIN_S if quiet < self.stall_s else 0.0
 
 
 def notify_barrier(address: str, timeout: float) -> bool:
