@@ -52,27 +52,64 @@ Start-up, in order (the port is closed, connection refused, until step 6):
     error: ..." and the crash path's self-SIGKILL. Then "The server is fired up and ready to
     roll!" (PD: also after a failed warm-up).
 
-Endpoints. /v1/models, /model_info, /server_info (+ "stand_in_files": its ipc and shm paths,
-"scheduler_pids": every child's pid) answer 200 as soon as HTTP is up; /generate is served
-from then on, also while draining. /health = /health_generate: 503 at once while starting
-(warm-up not done) or draining; else SGLang's loop: sleep 1 s, then 200 if a response came
-from the "scheduler" since the probe began -- at once when idle, else when the first of the
-/generate requests in flight at that moment completes (the next batch boundary) -- else sleep
-another 1 s, ...; so it answers at a whole number of seconds, >= 1. After
-SGLANG_HEALTH_CHECK_TIMEOUT (default 20) s: 503, "Health check failed. ...", status
-UnHealthy. SUPERVISORD_GPU_STANDIN_HEALTH_STALL=SECONDS:DURATION: for DURATION s after
-becoming ready, the scheduler answers a probe only after SECONDS (200 at the first whole second
->= SECONDS, or 503 at the timeout when SECONDS >= it). SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0:
-/health (not /health_generate) answers from the status at once. /ready: 200 iff warm-up done and
-not draining, instant. /metrics with --enable-metrics (sglang:num_running_reqs = requests in
-flight, sglang:num_queue_reqs 0).
+Endpoints (0.5.23's srt/entrypoints/http_server.py and srt/managers/tokenizer_manager.py, read
+from the wheel; file:line below is inside sglang/srt/). /v1/models, /model_info answer 200 as
+soon as HTTP is up; /generate is served from then on, also while draining. A "scheduler step"
+(one batch, prefill or decode) takes SUPERVISORD_GPU_STANDIN_TOKEN_S, else 0.02 s.
+ /server_info = /get_server_info (+ "stand_in_files": its ipc and shm paths, "scheduler_pids":
+    every child's pid, "stand_in_mm_segments": see MM_SHM) asks the scheduler (get_internal_state,
+    managers/tokenizer_control_mixin.py:967, which also installs the lazy handlers like a
+    /generate): answered while generation is paused (the scheduler takes control requests before
+    it looks at _engine_paused, scheduler.py:2033-2036), but not while a scheduler is stopped (SIGSTOP: /proc state
+    T or t) or stuck (watchdog-timeout fault), and only SECONDS after it came during a
+    HEALTH_STALL. No timeout (managers/communicator.py): it waits, looking again every 50 ms.
+ /health = /health_generate (http_server.py:721-799): 503 at once while starting (warm-up not
+    done) or draining; else a one-token generation, which first waits for a pause to end
+    (tokenizer_manager.py:938-939), then joins the running batch and comes back after one
+    scheduler step, busy or idle; SGLang sleeps 1 s before each look, so the answer comes at a
+    whole number of seconds, >= 1 (1 s on a healthy server, under load too). A stopped or stuck
+    scheduler gives no answer. After SGLANG_HEALTH_CHECK_TIMEOUT (default 20) s: 503, "Health
+    check failed. ...", status UnHealthy (:798); a later 200 sets it back to Up (:784).
+    SUPERVISORD_GPU_STANDIN_HEALTH_STALL=SECONDS:DURATION: for DURATION s after becoming ready,
+    the scheduler answers a probe only after SECONDS (200 at the first whole second >= SECONDS,
+    or 503 at the timeout when SECONDS >= it). SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0: /health
+    (not /health_generate) is 200 unless starting or draining, at once (:731-748; a pause or
+    UnHealthy does not matter there).
+ /ready (tokenizer_manager.py:728-734, http_server.py:714-718): 200 iff warm-up done, not paused,
+    not draining and not UnHealthy; instant. One /health that timed out (a stall, a pause)
+    latches /ready at 503 until a later /health succeeds.
+ POST /pause_generation {"mode": "abort" (default) | "retract" | "in_place"}
+    (tokenizer_manager.py:2267-2280, http_server.py:1831-1841): paused at once (/ready 503; a new
+    /generate, and /health's generation, wait for continue). "abort": every admitted request is
+    aborted at its next step (answered 200 with finish_reason {"type": "abort", "message":
+    "Aborted", ...}); the answer comes when none is left, checked again every 1 s (~1 s with
+    requests in flight, at once without). "retract"/"in_place": answered at once; the running
+    requests are held and resume after continue. Answer {"message": "Generation paused
+    successfully.", "status": "ok"}; an unknown mode 422.
+ POST /continue_generation (tokenizer_manager.py:2282-2286): {"message": "Generation continued
+    successfully.", "status": "ok"}; waiting requests go on. An UnHealthy latch from a /health
+    that failed during the pause stays until a /health succeeds (the real server on the H200:
+    /ready 503 1 s and 5 s after continue, 200 after one /health).
+ /metrics with --enable-metrics (sglang:num_running_reqs = requests in flight, num_queue_reqs 0).
 
 Signals and the drain. SIGTERM's handler is installed lazily, by the first /generate (normally
 the warm-up's); before that SIGTERM has its default action: dead at once by signal 15, the
 children by PDEATHSIG, files left behind. The children keep SIGTERM's default action: a
 SIGTERM to the whole process group kills the schedulers at once, and the watchdog then takes
-the main process down its crash path. SIGINT keeps its default action (dies by signal 2).
-After it: "SIGTERM received. signum=None frame=None. Draining requests and shutting down...",
+the main process down its crash path.
+SIGINT (SGLang installs no handler of its own): while loading, Python's KeyboardInterrupt; once
+uvicorn runs, uvicorn's handler (Server.capture_signals, uvicorn/server.py): "INFO:     Shutting
+down", the listener closed at once, "Waiting for connections to close. (CTRL+C to force quit)"
+while requests are in flight (no time limit; they complete), "Waiting for application
+shutdown." (SGLang's lifespan joins the warm-up thread, http_server.py:458-468), "Application
+shutdown complete.", "Finished server process [PID]"; then uvicorn re-raises the SIGINT as a
+KeyboardInterrupt (a second SIGINT skips the waits). Either way launch_server.py:83-86's
+`finally: kill_process_tree(os.getpid(), include_parent=False)` logs "kill_process_tree called:
+parent_pid=N, include_parent=False, pid=N" and SIGKILLs the children it finds (not detached
+ones), Python prints the KeyboardInterrupt traceback and exits by SIGINT: "killed by signal 2",
+its files left behind. (uvicorn also holds SIGTERM from its start until the first /generate
+installs SGLang's handler; not imitated: SIGTERM keeps its default action there.)
+After SIGTERM: "SIGTERM received. signum=None frame=None. Draining requests and shutting down...",
 /health and /ready 503, /generate still accepted and served, the listener open. SGLang's
 sigterm watchdog wakes every SUPERVISORD_GPU_STANDIN_DRAIN_POLL_S (default 5.0) s on a clock
 started when the handler was installed (see DRAIN_CLOCK), and at each wake-up after SIGTERM
@@ -81,10 +118,19 @@ under steady traffic, never. SGL_FORCE_SHUTDOWN=1 or status UnHealthy: it goes o
 wake-up regardless. Then: schedulers told to exit, up to 15 s, SIGKILL for stragglers,
 "Gracefully exiting... all schedulers stopped.", its /dev/shm and ipc files removed, exit 0.
 
-Crash path: a child found dead by the watchdog ("Subprocess scheduler_0 (pid=N) crashed with
-exit code -9") or an injected scheduler exception ("Scheduler hit an exception: Traceback
-..."), then "Received sigquit from a child process. It usually means the child failed.",
-SIGKILL to every child, SIGKILL to itself: it ends "killed by signal 9", leaving its files.
+Crash path: a child found dead by the watchdog ("Subprocess scheduler_0 (pid=N) crashed with exit
+code -9. Triggering SIGQUIT for cleanup...") or an injected scheduler exception ("Scheduler hit
+an exception: Traceback ..."), then the main process's SIGQUIT handler: before the lazy handlers
+are installed "Received sigquit from a child process. It usually means the child failed."
+(entrypoints/engine.py:1976-1982), after them "SIGQUIT received. signum=None, frame=None. It
+usually means one child failed." (tokenizer_manager.py:2457, :4072-4083); SIGKILL to every child,
+SIGKILL to itself (kill_process_tree): it ends "killed by signal 9", leaving its files.
+watchdog-timeout fault: the scheduler's WatchdogRaw (utils/watchdog.py:133-161) on a forward pass
+stuck for --watchdog-timeout (default 300) prints, per scheduler, "Scheduler debug info:" (batch
+size and reqs), py-spy's failures ("Pyspy failed (py-spy dump --native --pid N). Error: ...",
+"All pyspy dump attempts failed for PID N."), "Scheduler watchdog timeout
+(self.watchdog_timeout=300, self.soft=False)", an empty line on stderr and stdout, sleeps 5 s and
+SIGQUITs the main process: the crash path above.
 With SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=1, a scheduler exception SIGKILLs the whole process
 group instead (os.killpg(0)): whatever group the stand-in was started in. Genuine start-up
 failures it imitates (missing --model-path, invalid device ordinal, CUDA out of memory on the
@@ -108,6 +154,10 @@ Stand-in-only settings (environment):
                                         process never exits and /health stops answering
         exit-on-term-slow:SECONDS       from the start, SIGTERM takes the graceful path, exiting 0
                                         no earlier than SECONDS after it
+        watchdog-timeout:SECONDS        a forward pass sticks (from max(0, SECONDS -
+                                        --watchdog-timeout) after ready: no batch advances,
+                                        /health and /server_info get no answer); SECONDS after
+                                        ready the watchdog's lines, 5 s later the crash path
     SUPERVISORD_GPU_STANDIN_READY_FILE  append time.time() when /health first answers 200
     SUPERVISORD_GPU_STANDIN_READY_AT_FILE  append time.time() when the warm-up is done
     SUPERVISORD_GPU_STANDIN_TOKEN_S     seconds per generated token in /generate (default 0)
@@ -117,6 +167,17 @@ Stand-in-only settings (environment):
     SUPERVISORD_GPU_STANDIN_JIT_S       seconds of DeepGEMM JIT on a cache miss (default 0)
     SUPERVISORD_GPU_STANDIN_HEALTH_STALL  SECONDS:DURATION, see /health above
     SUPERVISORD_GPU_STANDIN_DRAIN_POLL_S  the drain watchdog's period (default 5.0, SGLang's)
+    SUPERVISORD_GPU_STANDIN_MM_SHM      N: each /generate is a multimodal request whose main process
+                                        (the tokenizer, their creator) creates N segments
+                                        /dev/shm/sgl_shm_mm_<its pid>_<8 hex> (make_shm_name,
+                                        utils/stale_shm_cleanup.py:31-33), 4096 bytes, mode 0600,
+                                        and closes them at once (mm_utils.py:1377-1394): nobody maps
+                                        or holds them. They are unlinked when the request completes;
+                                        a SIGKILL or a crash before that leaves them. (0.5.23's
+                                        scheduler unlinks them earlier, when it materializes the
+                                        request's features: close_and_unlink, mm_utils.py:1434-1457;
+                                        the stand-in keeps them for the whole request, so that a
+                                        test can catch them.)
     SUPERVISORD_GPU_STANDIN_SCHEDULERS  children (default) | detached: schedulers double-fork
                                         into their own session and are re-parented to PID 1
                                         (or the nearest subreaper), no PDEATHSIG: the crash path
@@ -130,8 +191,8 @@ simulated GPU directory a GPU index that does not exist is "invalid device ordin
 little free memory on a GPU (others' live holdings) is a CUDA out-of-memory failure at
 "Load weight begin".
 
-Not imitated: the random NCCL port (22000-29999), dp-attention's extra ports, /server_info
-asking a busy scheduler, SIGBUS from accumulated /dev/shm leftovers.
+Not imitated: the random NCCL port (22000-29999), dp-attention's extra ports, SIGBUS from
+accumulated /dev/shm leftovers, the /dev/shm/sglang_loads_*.shm segment the real server leaves.
 
 Everything is standard library plus psutil (through simgpu), so a start costs tens of
 milliseconds and ~20 MB per process: tests run dozens of these on a 2-core machine.
@@ -150,6 +211,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from ..records import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -180,6 +242,7 @@ ENV_JIT_S = "SUPERVISORD_GPU_STANDIN_JIT_S"
 ENV_HEALTH_STALL = "SUPERVISORD_GPU_STANDIN_HEALTH_STALL"
 ENV_DRAIN_POLL_S = "SUPERVISORD_GPU_STANDIN_DRAIN_POLL_S"
 ENV_SCHEDULERS = "SUPERVISORD_GPU_STANDIN_SCHEDULERS"
+ENV_MM_SHM = "SUPERVISORD_GPU_STANDIN_MM_SHM"
 # SGLang's own variables that the stand-in honours
 ENV_HEALTH_TIMEOUT = "SGLANG_HEALTH_CHECK_TIMEOUT"
 ENV_KILLPG = "SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION"
@@ -188,7 +251,10 @@ ENV_HEALTH_GENERATION = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
 
 DEFAULT_STARTUP_S = 3.0
 DEFAULT_MIB = 100000
-FAULT_KINDS = ("crash-on-start", "hang-on-term", "never-ready", "crash-after-ready", "exit-on-term-slow")
+FAULT_KINDS = ("crash-on-start", "hang-on-term", "never-ready", "crash-after-ready", "exit-on-term-slow",
+               "watchdog-timeout")
+SECONDS_FAULTS = ("crash-after-ready", "exit-on-term-slow", "watchdog-timeout")
+PAUSE_MODES = ("abort", "retract", "in_place")  # PauseGenerationReqInput.mode; "abort" is the default
 SCHEDULER_MODES = ("children", "detached")
 MAX_SCHEDULERS = 8
 
@@ -198,6 +264,11 @@ DEFAULT_DRAIN_POLL_S = 5.0  # tokenizer_manager.sigterm_watchdog: `await asyncio
 DEFAULT_HEALTH_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
 HEALTH_POLL_S = 1.0  # /health sleeps this long before each look
 WATCHDOG_POLL_S = 1.0  # SubprocessWatchdog
+DEFAULT_STEP_S = 0.02  # one scheduler step (prefill or decode of the running batch) without TOKEN_S
+SCHEDULER_ASK_POLL_S = 0.05  # how often a /server_info waiting on the scheduler looks again
+PAUSE_ABORT_RECHECK_S = 1.0  # pause_generation(abort): `await asyncio.sleep(1.0)` between abort rounds
+WATCHDOG_SIGQUIT_DELAY_S = 5.0  # WatchdogRaw: `time.sleep(5)` after its lines, then SIGQUIT to the parent
+MM_SEGMENT_BYTES = 4096
 WARMUP_FIRST_SLEEP_S = 1.0  # _execute_server_warmup sleeps 1 s before each GET /model_info
 WARMUP_TRIES = 120
 WARMUP_GET_TIMEOUT_S = 5.0
@@ -223,7 +294,8 @@ GRAPH_BATCH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96,
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
 INFO, WARNING, ERROR = 20, 30, 40
-SCHEDULER_SRC = "/usr/local/lib/python3.12/dist-packages/sglang/srt/managers/scheduler.py"
+SGLANG_SRC = "/usr/local/lib/python3.12/dist-packages/sglang"
+SCHEDULER_SRC = f"{SGLANG_SRC}/srt/managers/scheduler.py"
 
 
 # --- Stand-in settings (environment) ----------------------------------------------------
@@ -243,7 +315,7 @@ class Fault:
         kind, _, arg = text.strip().partition(":")
         if kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault {kind!r}; expected one of {', '.join(FAULT_KINDS)}")
-        needs_seconds = kind in ("crash-after-ready", "exit-on-term-slow")
+        needs_seconds = kind in SECONDS_FAULTS
         if needs_seconds != bool(arg):
             raise ValueError(f"fault {kind!r} {'needs' if needs_seconds else 'takes no'} ':SECONDS'")
         return cls(kind, float(arg) if arg else 0.0)
@@ -282,6 +354,7 @@ class Settings:
     killpg_on_exception: bool = False
     force_shutdown: bool = False
     health_generation: bool = True
+    mm_shm: int = 0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | os._Environ[str]) -> Settings:
@@ -308,6 +381,7 @@ class Settings:
             killpg_on_exception=_flag(env.get(ENV_KILLPG)),
             force_shutdown=_flag(env.get(ENV_FORCE_SHUTDOWN)),
             health_generation=(env.get(ENV_HEALTH_GENERATION) or "1").strip().lower() not in ("0", "false", "no"),
+            mm_shm=max(0, int(env.get(ENV_MM_SHM) or 0)),
         )
 
 
@@ -630,6 +704,15 @@ def _pid_gone(pid: int) -> bool:
         return True
 
 
+def _stopped(pid: int) -> bool:
+    """True when pid is stopped (SIGSTOP, or a tracer): /proc/PID/stat state T or t."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except OSError:
+        return False
+
+
 def _alnum(n: int) -> str:
     chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
     return "".join(random.choice(chars) for _ in range(n))
@@ -643,8 +726,10 @@ class Request:
     """A generation in flight, as SGLang's rid_to_state holds it."""
 
     rid: str
-    ends_at: float  # time.monotonic() when it will complete
+    ends_at: float  # time.monotonic() when it would complete if nothing held it up
     health: bool = False
+    admitted: bool = False  # past the pause gate (holds model_update_lock's reader side)
+    aborted: bool = False  # pause_generation(abort) aborted it: answered with finish_reason abort
 
 
 class StandinServer:
@@ -674,6 +759,14 @@ class StandinServer:
         self.max_total_num_tokens: int | None = None
         self.requests: dict[str, Request] = {}
         self.last_receive = 0.0  # monotonic: the last time a generation completed
+        self.paused = False  # POST /pause_generation ... /continue_generation: TokenizerManager.is_pause
+        self.pause_mode = "abort"
+        self.resumed_at = 0.0  # monotonic: the last /continue_generation
+        self.pause_cond = threading.Condition(self.lock)  # is_pause_cond
+        self.stuck = False  # watchdog-timeout fault: a forward pass never returns
+        self.mm_segments: set[str] = set()  # sgl_shm_mm_* created and not yet unlinked
+        self.sigints = 0
+        self._warmup_thread: threading.Thread | None = None
         self.stats = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0}
         self.children: list[Child] = []
         self.children_lock = threading.Lock()
@@ -731,8 +824,15 @@ class StandinServer:
     # -- lifecycle ----------------------------------------------------------------------
 
     def run(self) -> int:
+        """The whole life of the server; a SIGINT anywhere ends as SGLang's KeyboardInterrupt does."""
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's: KeyboardInterrupt
+        try:
+            return self._run()
+        except KeyboardInterrupt:
+            self._die_of_keyboard_interrupt()
+
+    def _run(self) -> int:
         a, s = self.args, self.settings
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
         if s.fault and s.fault.kind in ("hang-on-term", "exit-on-term-slow"):
             self._install_sigterm()  # these faults model a SIGTERM path, whatever the phase
         if a.model_path is None:
@@ -1091,6 +1191,7 @@ class StandinServer:
 
     def _serve(self) -> int:
         a = self.args
+        signal.signal(signal.SIGINT, self._uvicorn_sigint)  # uvicorn's Server.capture_signals
         self.uvicorn(f"Started server process [{os.getpid()}]")
         self.uvicorn("Waiting for application startup.")
         self.uvicorn("Application startup complete.")
@@ -1100,8 +1201,64 @@ class StandinServer:
             return self._busy_port(e)
         serve_in_thread(self.http, "http")
         self.uvicorn(f"Uvicorn running on {self.url()} (Press CTRL+C to quit)")
-        threading.Thread(target=self._warmup, name="warmup", daemon=True).start()
+        self._warmup_thread = threading.Thread(target=self._warmup, name="warmup", daemon=True)
+        self._warmup_thread.start()
         return self._control_loop()
+
+    # -- SIGINT: uvicorn's graceful stop, then KeyboardInterrupt ---------------------------
+
+    def _uvicorn_sigint(self, signum: int, frame: object) -> None:
+        """uvicorn's handle_exit: the first SIGINT asks for a stop, a second forces it."""
+        self.sigints += 1
+        try:
+            os.write(self._ctl_w, b"c")
+        except OSError:
+            pass
+
+    def _uvicorn_shutdown(self) -> None:
+        """uvicorn's Server.shutdown after a SIGINT (uvicorn/server.py): close the listener, wait
+        for the requests in flight (no time limit), lifespan shutdown (SGLang's joins the warm-up
+        thread, http_server.py:458-468), "Finished server process"; a second SIGINT skips the waits."""
+        assert self.http is not None
+        self.uvicorn("Shutting down")
+        self.http.shutdown()
+        self.http.socket.close()
+        if self.http.inflight.count and self.sigints < 2:
+            self.uvicorn("Waiting for connections to close. (CTRL+C to force quit)")
+            while self.http.inflight.count and self.sigints < 2:
+                time.sleep(0.1)
+        if self.sigints < 2:
+            self.uvicorn("Waiting for application shutdown.")
+            while self._warmup_thread is not None and self._warmup_thread.is_alive() and self.sigints < 2:
+                self._warmup_thread.join(0.1)
+            self.uvicorn("Application shutdown complete.")
+        self.uvicorn(f"Finished server process [{os.getpid()}]")
+
+    def _die_of_keyboard_interrupt(self) -> NoReturn:
+        """KeyboardInterrupt out of launch_server: launch_server.py's `finally:
+        kill_process_tree(os.getpid(), include_parent=False)` SIGKILLs the children (the ones
+        it can find), Python prints the traceback and, since 3.8, ends by SIGINT (status -2)."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        pid = os.getpid()
+        self.log(f"kill_process_tree called: parent_pid={pid}, include_parent=False, pid={pid}")
+        self._kill_children()
+        for c in self.children:
+            if not c.detached:
+                try:
+                    os.waitpid(c.pid, 0)
+                except ChildProcessError:
+                    pass
+        write_raw('Traceback (most recent call last):\n'
+                  f'  File "{SGLANG_SRC}/launch_server.py", line 84, in <module>\n'
+                  '    run_server(server_args)\n'
+                  f'  File "{SGLANG_SRC}/srt/entrypoints/http_server.py", line 3009, in _setup_and_run_http_server\n'
+                  '    server.run()\n'
+                  'KeyboardInterrupt\n')
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(pid, signal.SIGINT)
+        os._exit(130)
 
     def _busy_port(self, e: OSError) -> int:
         """uvicorn cannot bind: it says so, the warm-up still talks to the port's holder, exit 3."""
@@ -1184,6 +1341,42 @@ class StandinServer:
             with open(self.settings.ready_at_file, "a") as f:
                 f.write(f"{self.startup_time!r}\n")
         self.log("The server is fired up and ready to roll!")
+        if fault and fault.kind == "watchdog-timeout":
+            threading.Thread(target=self._stuck_forward, args=(fault.seconds,), name="scheduler-watchdog",
+                             daemon=True).start()
+
+    def _stuck_forward(self, seconds: float) -> None:
+        """The watchdog-timeout fault: a forward pass that never returns, found by the scheduler's
+        watchdog (utils/watchdog.py:133-161, WatchdogRaw created in
+        scheduler_components/invariant_checker.py:518 with --watchdog-timeout). The pass sticks
+        --watchdog-timeout before the watchdog fires (at once when SECONDS is shorter), the
+        watchdog fires SECONDS after ready, then sleeps 5 s and SIGQUITs the main process."""
+        assert self.ready_at is not None
+        timeout = self.args.watchdog_timeout
+        time.sleep(max(0.0, self.ready_at + max(0.0, seconds - float(timeout)) - time.monotonic()))
+        self.stuck = True  # no batch advances, /health and /server_info get no answer
+        time.sleep(max(0.0, self.ready_at + seconds - time.monotonic()))
+        self.watchdog_lines(timeout)
+        time.sleep(WATCHDOG_SIGQUIT_DELAY_S)
+        self.crash([])
+
+    def watchdog_lines(self, timeout: float) -> None:
+        """What WatchdogRaw._watchdog_once prints in each scheduler: its debug info, py-spy's
+        failure (no py-spy in the image), the timeout line, one empty line on stderr and stdout."""
+        with self.lock:
+            reqs = [r.rid for r in self.requests.values() if r.admitted or r.health]
+        for c in self.schedulers():
+            r = c.rank
+            self.log(f"Scheduler debug info:\nscheduler.cur_batch_for_debug.batch_size()={len(reqs)}\n"
+                     f"scheduler.cur_batch_for_debug.reqs={[f'Req(rid={rid})' for rid in reqs]}", ERROR, r)
+            for cmd in (f"py-spy dump --native --pid {c.pid}", f"py-spy dump --pid {c.pid}"):
+                self.log(f"Pyspy failed ({cmd}). Error: /bin/sh: 1: py-spy: not found\n", ERROR, r)
+            self.log(f"All pyspy dump attempts failed for PID {c.pid}.", ERROR, r)
+            self.log(f"Scheduler watchdog timeout (self.watchdog_timeout={timeout!r}, self.soft=False)", ERROR, r)
+        sys.stderr.write("\n")
+        sys.stderr.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
 
     def _control_loop(self) -> int:
         """The main thread while serving: lazy handler, SIGTERM, the drain watchdog, injected crash."""
@@ -1211,6 +1404,9 @@ class StandinServer:
                     self.term_seen = True
                     self._on_sigterm()
                     next_check = self._first_drain_check()
+                if b"c" in data:
+                    self._uvicorn_shutdown()
+                    raise KeyboardInterrupt  # capture_signals re-raises the SIGINT it caught
             now = time.monotonic()
             if crash_at is not None and now >= crash_at and s.fault is not None:
                 self.crash_exception("event_loop_overlap", f"injected fault crash-after-ready:{s.fault.seconds:g}")
@@ -1273,7 +1469,8 @@ class StandinServer:
                     return
                 dead = next((c for c in self.children if c.poll()), None)
             if dead is not None:
-                self.crash([f"Subprocess {dead.label} (pid={dead.pid}) crashed with exit code {dead.exit_code}"])
+                self.crash([f"Subprocess {dead.label} (pid={dead.pid}) crashed with exit code {dead.exit_code}. "
+                            f"Triggering SIGQUIT for cleanup..."])
 
     def _stop_children(self) -> None:
         """Tell every child to exit, wait up to 15 s, then SIGKILL stragglers."""
@@ -1345,6 +1542,15 @@ class StandinServer:
             os.killpg(0, signal.SIGKILL)  # the whole group: ours, or whoever started us in theirs
         self.crash([])
 
+    def sigquit_line(self) -> str:
+        """What the main process's SIGQUIT handler says: the launch-phase handler
+        (entrypoints/engine.py:1976-1982) until the lazy handlers are installed, then
+        SignalHandler.running_phase_sigquit_handler (tokenizer_manager.py:2457, :4072-4083),
+        called by the event loop without arguments. Both end in kill_process_tree: SIGKILL."""
+        if self.handler_installed.is_set():
+            return "SIGQUIT received. signum=None, frame=None. It usually means one child failed."
+        return "Received sigquit from a child process. It usually means the child failed."
+
     def crash(self, lines: list[str]) -> NoReturn:
         """SGLang's SIGQUIT path: kill the children (tree), then SIGKILL itself. Files stay."""
         if not self.crashing.acquire(blocking=False):
@@ -1352,7 +1558,7 @@ class StandinServer:
                 time.sleep(3600)
         for line in lines:
             self.log(line, ERROR)
-        self.log("Received sigquit from a child process. It usually means the child failed.", ERROR)
+        self.log(self.sigquit_line(), ERROR)
         self._kill_children()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -1369,8 +1575,31 @@ class StandinServer:
         seconds, duration = st
         return seconds if time.monotonic() < self.ready_at + duration else None
 
+    def step_s(self) -> float:
+        """One scheduler step: what a generation joining the running batch waits for its token."""
+        return self.settings.token_s or DEFAULT_STEP_S
+
+    def scheduler_responsive(self) -> bool:
+        """False while the scheduler loop cannot run: a scheduler SIGSTOPped, or a forward stuck."""
+        if self.stuck:
+            return False
+        return not any(_stopped(c.pid) for c in self.schedulers())
+
+    def _scheduler_runs_batches(self) -> bool:
+        """Batches advance: not paused in place/retracted (abort mode has none left), not stopped."""
+        with self.lock:
+            held = self.paused and self.pause_mode != "abort"
+        return not held and self.scheduler_responsive()
+
     def health(self) -> int:
-        """/health = /health_generate: SGLang's one-token generation, polled every 1 s."""
+        """/health = /health_generate: SGLang's one-token generation, polled every 1 s.
+
+        http_server.py:721-799 (0.5.23): the generation goes through generate_request, so it
+        first waits for a pause to end (tokenizer_manager.py:938-939); then it joins the
+        running batch and its token comes after one scheduler step, busy or idle. Success
+        sets the status back to Up (:784), which clears the /ready latch; a timeout sets
+        UnHealthy (:798).
+        """
         with self.lock:
             draining, up = self.draining, self.up
         if draining:
@@ -1382,21 +1611,15 @@ class StandinServer:
         tic_wall = time.time()
         timeout = self.settings.health_timeout_s
         stall = self.health_stall_s()
-        rid = f"HEALTH_CHECK_{time.time()}"
+        rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
         with self.lock:
-            idle = not any(not r.health for r in self.requests.values())
             self.requests[rid] = Request(rid, tic + timeout, health=True)
         try:
             k = 0
             while time.monotonic() < tic + timeout:
                 k += 1
                 time.sleep(max(0.0, tic + k * HEALTH_POLL_S - time.monotonic()))
-                if stall is not None:
-                    answered = stall < timeout and time.monotonic() >= tic + stall - 1e-3
-                else:
-                    with self.lock:
-                        answered = idle or self.last_receive > tic
-                if answered:
+                if self._health_answered(tic, stall, timeout):
                     with self.lock:
                         self.unhealthy = False
                     return 200
@@ -1412,12 +1635,68 @@ class StandinServer:
             with self.lock:
                 self.requests.pop(rid, None)
 
-    def ready_status(self) -> int:
+    def _health_answered(self, tic: float, stall: float | None, timeout: float) -> bool:
+        """Has the health generation sent at `tic` come back by now?"""
+        now = time.monotonic()
+        if stall is not None:  # HEALTH_STALL: the scheduler answers only SECONDS after the probe began
+            return stall < timeout and now >= tic + stall - 1e-3 and self.scheduler_responsive()
         with self.lock:
-            code = 200 if self.up and not self.draining else 503
+            if self.paused:
+                return False  # still waiting on is_pause_cond: nothing was sent to the scheduler
+            sent = max(tic, self.resumed_at)
+        return now >= sent + self.step_s() - 1e-3 and self.scheduler_responsive()
+
+    def ready_status(self) -> int:
+        """/ready: is_ready() = not is_pause and not gracefully_exit and status Up
+        (tokenizer_manager.py:728-734); Up excludes UnHealthy, so a failed /health latches it."""
+        with self.lock:
+            code = 200 if self.up and not self.paused and not self.draining and not self.unhealthy else 503
         if code == 200:
             self._seen_ready()
         return code
+
+    def plain_health(self) -> int:
+        """/health with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0: 503 only while starting or
+        shutting down (http_server.py:731-748); neither a pause nor UnHealthy matters."""
+        with self.lock:
+            draining, up = self.draining, self.up
+        if draining:
+            self.log("Health check request received during shutdown. Returning 503.")
+        return 200 if up and not draining else 503
+
+    def pause_generation(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """POST /pause_generation (tokenizer_manager.py:2267-2280, http_server.py:1831-1841).
+
+        Sets is_pause at once (/ready 503, new generations wait). "abort": aborts everything in
+        flight and answers only when no admitted request is left, checking again every 1 s;
+        "retract"/"in_place": the scheduler holds its batch, the answer is immediate.
+        """
+        mode = body.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            return 422, {"detail": [{"type": "literal_error", "loc": ["body", "mode"],
+                                     "msg": f"Input should be {', '.join(repr(m) for m in PAUSE_MODES)}",
+                                     "input": mode}]}
+        with self.pause_cond:
+            self.paused = True
+            self.pause_mode = mode
+        while mode == "abort":
+            with self.lock:
+                admitted = [r for r in self.requests.values() if r.admitted and not r.health]
+                for r in admitted:
+                    r.aborted = True
+            if not admitted:
+                break
+            time.sleep(PAUSE_ABORT_RECHECK_S)
+        return 200, {"message": "Generation paused successfully.", "status": "ok"}
+
+    def continue_generation(self) -> tuple[int, dict[str, Any]]:
+        """POST /continue_generation: is_pause off, waiting generations go on (tokenizer_manager.py:2282-2286).
+        An UnHealthy status from a /health that failed during the pause stays: /ready stays 503."""
+        with self.pause_cond:
+            self.paused = False
+            self.resumed_at = time.monotonic()
+            self.pause_cond.notify_all()
+        return 200, {"message": "Generation continued successfully.", "status": "ok"}
 
     def _seen_ready(self) -> None:
         """The first 200 on /health or /ready: crash-after-ready counts from here."""
@@ -1458,7 +1737,22 @@ class StandinServer:
             "architectures": ["LlamaForCausalLM"],
         }
 
+    def ask_scheduler(self) -> None:
+        """get_internal_state's round trip (tokenizer_control_mixin.py:967-974): the scheduler
+        answers control requests between batches, also while generation is paused (its loop
+        runs process_input_requests before it looks at _engine_paused), but not while a
+        scheduler is stopped or stuck, nor before a HEALTH_STALL is over. The communicator
+        (managers/communicator.py) has no timeout: the caller waits as long as it takes."""
+        self.request_sigterm_handler()  # get_internal_state calls auto_create_handle_loop
+        t0 = time.monotonic()
+        stall = self.health_stall_s()
+        if stall is not None:
+            time.sleep(max(0.0, t0 + stall - time.monotonic()))
+        while not self.scheduler_responsive():
+            time.sleep(SCHEDULER_ASK_POLL_S)
+
     def server_info(self) -> dict[str, Any]:
+        self.ask_scheduler()
         info: dict[str, Any] = dict(vars(self.args))
         with self.lock:
             status = "ready" if self.up else "starting"
@@ -1485,6 +1779,7 @@ class StandinServer:
             "scheduler_pids": [c.pid for c in self.children],
             "detokenizer_pid": next((c.pid for c in self.children if c.label == "detokenizer"), None),
             "stand_in_files": self.files(),
+            "stand_in_mm_segments": self.live_mm_segments(),
         })
         return info
 
@@ -1511,22 +1806,28 @@ class StandinServer:
         started = time.monotonic()
         rid_value = body.get("rid")
         rid = rid_value if isinstance(rid_value, str) and rid_value else f"{random.getrandbits(64):032x}"
+        req = Request(rid, started + max(0.0, delay))
         with self.lock:
             if rid in self.requests:
-                rid = f"{rid}-{random.getrandbits(32):08x}"
-            self.requests[rid] = Request(rid, started + max(0.0, delay))
+                req.rid = rid = f"{rid}-{random.getrandbits(32):08x}"
+            self.requests[rid] = req
+        segments: list[str] = []
         try:
-            if delay > 0:
-                time.sleep(delay)
+            self._wait_for_pause_to_end(req)
+            segments = self.create_mm_segments(self.settings.mm_shm)
+            self._run_on_scheduler(req, delay)
         finally:
             with self.lock:
                 self.requests.pop(rid, None)
                 self.last_receive = time.monotonic()
+            self.unlink_mm_segments(segments)
         batch = isinstance(body.get("text"), list) or (
             isinstance(body.get("input_ids"), list) and body["input_ids"] and isinstance(body["input_ids"][0], list))
         n = len(body.get("text") or body.get("input_ids") or []) if batch else 1
         max_new = int(sp.get("max_new_tokens") or 16)
-        out_tokens = max(0, min(max_new, 16))
+        out_tokens = 0 if req.aborted else max(0, min(max_new, 16))
+        finish: dict[str, Any] = ({"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+                                  if req.aborted else {"type": "length", "length": out_tokens})
         results = []
         for i in range(n):
             prompt = body["text"][i] if batch and body.get("text") else body.get("text")
@@ -1536,7 +1837,7 @@ class StandinServer:
                 "output_ids": list(range(1000, 1000 + out_tokens)),
                 "meta_info": {
                     "id": rid if n == 1 else f"{rid}-{i}",
-                    "finish_reason": {"type": "length", "length": out_tokens},
+                    "finish_reason": finish,
                     "prompt_tokens": prompt_tokens,
                     "weight_version": self.args.weight_version,
                     "completion_tokens": out_tokens,
@@ -1549,6 +1850,58 @@ class StandinServer:
                 self.stats["prompt_tokens"] += prompt_tokens
                 self.stats["generation_tokens"] += out_tokens
         return 200, (results if batch else results[0])
+
+    def _wait_for_pause_to_end(self, req: Request) -> None:
+        """generate_request waits on is_pause_cond before tokenizing (tokenizer_manager.py:938-939)."""
+        with self.pause_cond:
+            while self.paused:
+                self.pause_cond.wait()
+            req.admitted = True
+
+    def _run_on_scheduler(self, req: Request, seconds: float) -> None:
+        """`seconds` of scheduler time: frozen while the batch is held (pause in place/retract, a
+        stopped or stuck scheduler); cut short, at the next step, by an abort."""
+        remaining = seconds
+        last = time.monotonic()
+        while remaining > 0 and not req.aborted:
+            time.sleep(min(SCHEDULER_ASK_POLL_S, remaining))
+            now = time.monotonic()
+            if self._scheduler_runs_batches():
+                remaining -= now - last
+            last = now
+
+    def create_mm_segments(self, n: int) -> list[str]:
+        """The tokenizer side's multimodal features (MM_SHM): SharedMemory(create=True) named by
+        make_shm_name("mm") (utils/stale_shm_cleanup.py:31-33), closed at once (mm_utils.py:1377-1394)."""
+        paths = []
+        for _ in range(n):
+            path = f"/dev/shm/sgl_shm_mm_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            except OSError:
+                continue
+            try:
+                os.ftruncate(fd, MM_SEGMENT_BYTES)
+            finally:
+                os.close(fd)
+            paths.append(path)
+        with self.lock:
+            self.mm_segments.update(paths)
+        return paths
+
+    def unlink_mm_segments(self, paths: list[str]) -> None:
+        """The consumer's close_and_unlink: only a request that completes gets here."""
+        for path in paths:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        with self.lock:
+            self.mm_segments.difference_update(paths)
+
+    def live_mm_segments(self) -> list[str]:
+        with self.lock:
+            return sorted(self.mm_segments)
 
     def metrics_text(self) -> str:
         label = f'model_name="{self.served_model_name}"'
@@ -1611,7 +1964,7 @@ def _make_handler(app: StandinServer) -> type[JSONHandler]:
                 while True:  # after SIGTERM with hang-on-term: never answer
                     time.sleep(3600)
             if not generation:
-                status = 200 if app.ready_status() == 200 else 503
+                status = app.plain_health()
             else:
                 status = app.health()
             if status == 200:
@@ -1654,7 +2007,23 @@ def _make_handler(app: StandinServer) -> type[JSONHandler]:
             payload = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
             self.send_bytes(200, payload, "text/event-stream")
 
+        def _pause(self) -> None:
+            try:
+                body = self.read_json()
+            except ValueError:
+                self.send_json(400, {"error": {"message": "invalid JSON body"}})
+                return
+            self.send_json(*app.pause_generation(body if isinstance(body, dict) else {}))
+
         def do_GET(self) -> None:
+            with self.server.inflight:
+                self._get()
+
+        def do_POST(self) -> None:
+            with self.server.inflight:
+                self._post()
+
+        def _get(self) -> None:
             self.dispatch({
                 "/health": lambda: self._health(app.settings.health_generation),
                 "/health_generate": self._health,
@@ -1668,9 +2037,11 @@ def _make_handler(app: StandinServer) -> type[JSONHandler]:
                 "/flush_cache": lambda: self.send_text(200, "Cache flushed.\n"),
             })
 
-        def do_POST(self) -> None:
+        def _post(self) -> None:
             self.dispatch({
                 "/generate": self._generate,
+                "/pause_generation": self._pause,
+                "/continue_generation": lambda: self.send_json(*app.continue_generation()),
                 "/flush_cache": lambda: self.send_text(200, "Cache flushed.\n"),
             })
 
