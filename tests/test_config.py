@@ -252,3 +252,59 @@ def test_strict_modes_cannot_be_switched_off(tmp_path, capsys):
     cdir = setup_dir(tmp_path, GOOD, "[daemon]\nstrict_modes = false\n")
     assert gpusupctl.main(["render", "p", "--config-dir", str(cdir)]) == 2
     assert "daemon.strict_modes: can no longer be turned off" in one_line_error(capsys)
+
+
+def _render(tmp_path, text: str):  # type: ignore[no-untyped-def]
+    from supervisord_gpu.config.render import render
+
+    cdir = setup_dir(tmp_path, text)
+    cfg = load_daemon_config(cdir)
+    return {launch.spec.name: launch for launch in render(load_profile(cfg, "p"), cfg)}
+
+
+def test_cute_dsl_compiles_into_the_persistent_cache_and_the_hub_stays_where_the_user_keeps_it(tmp_path):
+    launches = _render(tmp_path, GOOD)
+    env = dict(launches["prefill"].env)
+    root = str(launches["prefill"].cache_root)
+    # CuTe DSL would otherwise compile into the private TMPDIR we empty at every start
+    assert env["CUTE_DSL_CACHE_DIR"] == f"{root}/sglang/cute_dsl"
+    # our XDG_CACHE_HOME must not move the user's hub and token: HF_HOME pinned to ~/.cache/huggingface
+    assert env["XDG_CACHE_HOME"] == root and env["HF_HOME"] == f"{env['HOME']}/.cache/huggingface"
+
+
+def test_a_user_without_a_home_gets_a_hub_in_its_persistent_cache_and_a_profile_hf_home_wins(tmp_path):
+    from supervisord_gpu.sglang.caches import hub_home
+
+    assert hub_home(tmp_path / "c", "/nonexistent") == str(tmp_path / "c" / "huggingface")
+    text = GOOD.replace("[servers.decode]\n", "[servers.decode]\nenv = { HF_HOME = \"/srv/hub\" }\n")
+    env = _render(tmp_path, text)["decode"]
+    assert env.environment({})["HF_HOME"] == "/srv/hub"
+
+
+def test_servers_sharing_a_machine_each_get_their_own_nccl_port_and_it_is_checked_like_any_port(tmp_path):
+    launches = _render(tmp_path, GOOD)
+    argv = {name: " ".join(launch.argv) for name, launch in launches.items()}
+    assert "--nccl-port 31050" in argv["prefill"] and "--nccl-port 31051" in argv["decode"]
+    assert "nccl" in " ".join(listen.label for listen in launches["prefill"].spec.listens())
+    single = "[servers.only]\ngpus = [0]\nport = 31000\nmodel_path = \"/m\"\n"
+    assert "--nccl-port" not in " ".join(_render(tmp_path, single)["only"].argv)  # nothing to collide with
+
+
+@pytest.mark.parametrize("text,expected", [
+    (GOOD.replace("port = 31002", "port = 31050"), "router.port: port 31050 (router) is also used by prefill nccl"),
+    (GOOD.replace("tp-size = 2", "tp-size = 2\nnccl-port = 25000"), "servers.prefill.options.nccl-port: port 25000 is in SGLang's random NCCL"),
+    (GOOD.replace('role = "decode"', 'role = "decode"\nstart_timeout = 600\nstart_timeout_max = 60'),
+     "servers.decode.start_timeout_max: 60 s is shorter than start_timeout (600 s)"),
+    (GOOD.replace('mode = "pd"', 'mode = "pd"\nprobe = { scheduler_timeout = 5 }'), "router.probe.scheduler_timeout: unknown key"),
+])
+def test_new_keys_refuse_what_cannot_work_in_one_line(tmp_path, capsys, text, expected):
+    cdir = setup_dir(tmp_path, text)
+    assert gpusupctl.main(["render", "p", "--config-dir", str(cdir)]) == 2
+    assert expected in one_line_error(capsys)
+
+
+def test_a_scheduler_is_given_sglangs_own_watchdog_time_before_it_counts_as_hung(tmp_path):
+    launches = _render(tmp_path, GOOD.replace("tp-size = 2", "tp-size = 2\nwatchdog-timeout = 900"))
+    assert launches["prefill"].spec.probe.scheduler_timeout_s == 900
+    assert launches["decode"].spec.probe.scheduler_timeout_s == 300
+    assert launches["router"].spec.probe.scheduler_path is None

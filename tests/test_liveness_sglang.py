@@ -105,19 +105,21 @@ def test_a_server_paused_for_two_minutes_is_not_killed_and_serves_again_after_co
 
 def test_a_ready_latched_by_someone_elses_failed_health_is_not_killed_and_clears_when_health_answers(tmp_path, cgroups):
     (port,) = free_ports(1)
-    # SGLang's /health gives up after 2 s here; for 5 s after start-up its scheduler takes 4 s to answer
-    env = {"SGLANG_HEALTH_CHECK_TIMEOUT": "2", "SUPERVISORD_GPU_STANDIN_HEALTH_STALL": "4:5"}
-    cdir = write_config(tmp_path, {"p": one_server(port, env)}, cgroups.root, startup=0.3)
+    cdir = write_config(tmp_path, {"p": one_server(port, {"SGLANG_HEALTH_CHECK_TIMEOUT": "2"})}, cgroups.root, startup=0.3)
     instance, _ = make_instance(cdir, "p")
     proc = instance.processes["server"]
 
     async def go() -> tuple[int, int, list[bool], int]:
         await instance.start()
         pid = proc.pid
-        failed = await asyncio.to_thread(http, "GET", port, "/health")  # a third party: the router's check
+        scheduler = (await asyncio.to_thread(server_info, port))["scheduler_pids"][0]
+        os.kill(scheduler, signal.SIGSTOP)  # a scheduler stall of 3 s (a long prompt) ...
+        failed = await asyncio.to_thread(http, "GET", port, "/health")  # ... during a third party's check
+        await asyncio.sleep(1)
+        os.kill(scheduler, signal.SIGCONT)  # the stall is over; the latch stays
         latched = await asyncio.to_thread(http, "GET", port, "/ready")
-        seen = await _hold_up(proc, 15, pid)  # the stall is over after 5 s; the latch stays
-        ok = await asyncio.to_thread(http, "GET", port, "/health")
+        seen = await _hold_up(proc, 15, pid)  # 5x the bound a dead server gets
+        ok = await asyncio.to_thread(http, "GET", port, "/health")  # the router's next check
         await _until(lambda: proc.status().serving)
         await instance.stop()
         return failed, latched, seen, ok

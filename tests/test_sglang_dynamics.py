@@ -355,6 +355,45 @@ def test_no_shared_memory_or_ipc_file_of_a_killed_server_remains_and_the_other_s
     assert left == [], f"left behind by the killed server: {left}"
 
 
+def test_sglangs_create_and_close_multimodal_segments_of_a_killed_server_go_and_another_servers_stay(tmp_path, cgroups):
+    """sgl_shm_mm_<creator pid>_<hex>: created and closed at once, mapped by nobody after a crash,
+    so only the creator PID in the name ties them to a server (upstream issue 40723)."""
+    ports = free_ports(2)
+    env = {"SUPERVISORD_GPU_STANDIN_MM_SHM": "2"}
+    text = one_server(ports[0], env, name="alpha") + one_server(ports[1], env, name="beta").replace("gpus = [0]", "gpus = [1]")
+    cdir = write_config(tmp_path, {"p": text}, cgroups.root, startup=0.3)
+    instance, _ = make_instance(cdir, "p")
+    body = json.dumps({"text": "an image", "sampling_params": {"sleep": 12}}).encode()
+
+    def in_flight(port: int) -> None:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=body, headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=60).read()
+        except OSError:
+            pass
+
+    async def go() -> tuple[list[str], list[str], list[str]]:
+        await instance.start()
+        for port in ports:
+            asyncio.get_running_loop().run_in_executor(None, in_flight, port)
+        await asyncio.to_thread(wait_for, lambda: all(server_info(p)["stand_in_mm_segments"] for p in ports), 10)
+        alpha_mm = server_info(ports[0])["stand_in_mm_segments"]
+        beta_mm = server_info(ports[1])["stand_in_mm_segments"]
+        alpha = instance.processes["alpha"]
+        pid = alpha.pid
+        alpha.spawned.group.kill_all()  # SIGKILL to its whole cgroup: nobody unlinks them
+        await asyncio.wait_for(_until(lambda: alpha.state == State.READY and alpha.pid != pid), 30)
+        left = [f for f in alpha_mm if os.path.exists(f)]
+        kept = [f for f in beta_mm if os.path.exists(f)]
+        await instance.stop()
+        return alpha_mm, left, kept
+
+    alpha_mm, left, kept = asyncio.run(go())
+    assert alpha_mm and all(os.path.basename(f).startswith("sgl_shm_mm_") for f in alpha_mm)
+    assert left == [], f"left behind by the killed server: {left}"
+    assert kept, "another server's segments were removed"
+
+
 def test_a_restart_does_not_recompile_its_kernels(tmp_path, cgroups):
     (port,) = free_ports(1)
     cdir = write_config(tmp_path, {"p": one_server(port, {"SUPERVISORD_GPU_STANDIN_JIT_S": "3"})}, cgroups.root,
