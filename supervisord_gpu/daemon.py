@@ -153,7 +153,7 @@ def start_bus(cfg: DaemonConfig, profile: Profile, controller: InstanceControlle
     loop = asyncio.get_running_loop()
     instance = controller.instance
     try:
-        service = BusService(profile.name, loop, Controls(controller, loop), cfg.control_group)
+        service = BusService(profile.name, loop, Controls(controller, loop), cfg.control_group, say=sink.event)
     except Exception as e:  # no bus, or the name is taken: run on, loudly
         if opts.bus == "on":
             raise

@@ -25,6 +25,7 @@ from . import names
 from ..controller.outcome import Job
 from ..errors import SupervisorError
 from .exports import export, exported_methods, introspection_xml
+from .link import BusLink, system_bus
 
 if TYPE_CHECKING:
     from ..controller.controller import InstanceController
@@ -199,26 +200,77 @@ CONTROL_METHODS = tuple(n for n, (_i, _o, control) in exported_methods(InstanceO
 
 
 class BusService:
-    """Owns the GLib thread, the bus name and signal emission for one instance."""
+    """Owns the GLib thread, the bus name and signal emission for one instance.
 
-    def __init__(self, instance: str, loop: asyncio.AbstractEventLoop, controls: Controls, control_group: str) -> None:
+    The connection is the process's BusLink (bus/link.py): when the bus goes away the servers
+    run on, and once a new bus is up the object is registered and the name owned again there.
+    """
+
+    def __init__(self, instance: str, loop: asyncio.AbstractEventLoop, controls: Controls, control_group: str,
+                 say: Callable[[str, int], None] | None = None, link: BusLink | None = None) -> None:
         from gi.repository import GLib
-        from pydbus import SystemBus
 
         self._GLib = GLib
-        self.bus = SystemBus()
+        self.link = link if link is not None else system_bus()
+        if say is not None:
+            self.link.set_say(say)
         self.obj = InstanceObject(instance, loop, controls, control_group, self._caller_uid)
+        self._registration: Any = None
+        self._serve_on(self.link.con)  # the name taken or no bus: raised here, for start_bus to tell
+        self.link.watch(self._serve_on)
         self._glib_loop = GLib.MainLoop()
-        self._publication = self.bus.publish(names.bus_name(instance), (names.OBJECT_PATH, self.obj))
         self._thread = threading.Thread(target=self._glib_loop.run, name="dbus", daemon=True)
         self._thread.start()
         self._on_close: list[Callable[[], Any]] = []
+
+    @property
+    def bus(self) -> Any:
+        """The pydbus view of the current connection (what the object is registered on)."""
+        return self._registration[0] if self._registration else None
+
+    def _serve_on(self, con: Any) -> None:
+        """Register the object, then own the name, on `con` (first start, and after each loss).
+        The registration on a closed connection is dropped first: its signal hook would else
+        try the dead connection on every emit."""
+        from pydbus.bus import Bus
+
+        self._drop_registration()
+        bus = Bus(con)
+        registration = bus.register_object(names.OBJECT_PATH, self.obj, None)
+        try:
+            self._request_name(con)
+        except Exception:
+            registration.unregister()
+            raise
+        self._registration = (bus, registration)
+
+    def _drop_registration(self) -> None:
+        if self._registration is None:
+            return
+        _bus, registration = self._registration
+        self._registration = None
+        try:
+            registration.unregister()
+        except Exception:
+            pass  # the connection is gone, and the object with it
+
+    def _request_name(self, con: Any) -> None:
+        # DO_NOT_QUEUE (4): the name now or an error, as pydbus's publish() asked it
+        reply = self._dbus_call(con, "RequestName", "(su)", (names.bus_name(self.obj.Name), 4))
+        if reply != 1:
+            raise RuntimeError(f"bus name {names.bus_name(self.obj.Name)} not ours (RequestName answered {reply})")
+
+    def _dbus_call(self, con: Any, method: str, signature: str, args: tuple[Any, ...]) -> Any:
+        GLib = self._GLib
+        reply = con.call_sync("org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus", method,
+                              GLib.Variant(signature, args), None, 0, 5000, None)
+        return reply.unpack()[0]
 
     def on_close(self, fn: Callable[[], Any]) -> None:
         self._on_close.append(fn)
 
     def _caller_uid(self, sender: str) -> int:
-        return int(self.bus.dbus.GetConnectionUnixUser(sender))
+        return int(self._dbus_call(self.link.con, "GetConnectionUnixUser", "(s)", (sender,)))
 
     def publish(self, snapshot: dict[str, Any], status_text: str) -> None:
         """Called on the engine's loop: swap in the new snapshots (atomic reference swaps)."""
@@ -233,7 +285,10 @@ class BusService:
         instance = self.obj.Name
 
         def send() -> bool:
-            self.obj.StateChanged(instance, process, state, message)
+            try:
+                self.obj.StateChanged(instance, process, state, message)
+            except Exception:
+                pass  # no bus just now: the snapshot still says it once the bus is back
             return False
 
         self._GLib.idle_add(send)
@@ -241,10 +296,13 @@ class BusService:
     def close(self) -> None:
         for fn in self._on_close:
             fn()
+        self.link.close_watch(self._serve_on)
+        con = self._registration[0].con if self._registration else None
         try:  # the name first, synchronously: callers then get ServiceUnknown, not a half-gone object
-            self.bus.dbus.ReleaseName(names.bus_name(self.obj.Name))
+            if con is not None:
+                self._dbus_call(con, "ReleaseName", "(s)", (names.bus_name(self.obj.Name),))
         except Exception:
             pass
-        self._publication.unpublish()
+        self._drop_registration()
         self._glib_loop.quit()
         self._thread.join(timeout=2)

@@ -30,7 +30,10 @@ MANAGER = "org.freedesktop.systemd1.Manager"
 UNIT = "org.freedesktop.systemd1.Unit"
 SERVICE = "org.freedesktop.systemd1.Service"
 PROPERTIES = "org.freedesktop.DBus.Properties"
+JOB = "org.freedesktop.systemd1.Job"
 CALL_TIMEOUT_MS = 25_000
+#: how often a wait checks that its own connection is still open (a restart of the bus)
+LOSS_CHECK_MS = 500
 
 _INSTANCE_UNIT = re.compile(rf"^{UNIT_PREFIX}@(?P<instance>[^/]+)\.service\Z")
 
@@ -71,13 +74,14 @@ def instance_of_unit(name: str) -> str | None:
 
 
 def connect() -> Any:
-    """The system bus connection, or BusError saying why not (exit code 4)."""
-    try:
-        from gi.repository import Gio
+    """The system bus connection, or BusError saying why not (exit code 4).
 
-        return Gio.bus_get_sync(Gio.BusType.SYSTEM, None)
-    except Exception as e:
-        raise BusError(f"system bus not reachable: {_first_line(e)}") from e
+    The process's BusLink (bus/link.py), not GLib's shared connection: that one raises SIGTERM
+    in the daemon when the bus restarts, and stays closed for good afterwards.
+    """
+    from ..bus.link import system_bus
+
+    return system_bus().con
 
 
 def _first_line(e: BaseException) -> str:
@@ -86,10 +90,20 @@ def _first_line(e: BaseException) -> str:
 
 
 class Systemd:
-    """systemd's manager over one connection. Thread-safe (GDBus connections are)."""
+    """systemd's manager over the system bus. Thread-safe (GDBus connections are).
+
+    Without a connection given, `con` is always the process's current one: after a restart of
+    the bus, the next call goes through the new connection.
+    """
 
     def __init__(self, connection: Any | None = None) -> None:
-        self.con = connection if connection is not None else connect()
+        self._fixed = connection
+        if connection is None:
+            connect()  # BusError now, not at the first call
+
+    @property
+    def con(self) -> Any:
+        return self._fixed if self._fixed is not None else connect()
 
     # ------------------------------------------------------------------ calls
 
@@ -198,20 +212,24 @@ class Systemd:
             if wanted.get("job") == job:
                 loop.quit()
 
-        subs = [self.con.signal_subscribe(BUS, MANAGER, "JobRemoved", PATH, None, Gio.DBusSignalFlags.NONE, job_removed)]
-        try:
-            if on_status is not None:
-                unit_path = self.load_unit(unit)
+        def changed(_con, _sender, _path, _iface, _signal, params) -> None:  # type: ignore[no-untyped-def]
+            iface, props, _invalidated = params.unpack()
+            if on_status is not None and iface == SERVICE and props.get("StatusText"):
+                on_status(str(props["StatusText"]))
 
-                def changed(_con, _sender, _path, _iface, _signal, params) -> None:  # type: ignore[no-untyped-def]
-                    iface, props, _invalidated = params.unpack()
-                    if iface == SERVICE and props.get("StatusText"):
-                        on_status(str(props["StatusText"]))
-
-                subs.append(self.con.signal_subscribe(BUS, PROPERTIES, "PropertiesChanged", unit_path, None,
-                                                      Gio.DBusSignalFlags.NONE, changed))
+        def subscribe_on(con: Any) -> list[tuple[Any, int]]:
+            subs = [(con, con.signal_subscribe(BUS, MANAGER, "JobRemoved", PATH, None, Gio.DBusSignalFlags.NONE, job_removed))]
+            if unit_path is not None:
+                subs.append((con, con.signal_subscribe(BUS, PROPERTIES, "PropertiesChanged", unit_path, None,
+                                                       Gio.DBusSignalFlags.NONE, changed)))
             if extra is not None:
-                subs += extra(self.con)
+                subs += [(con, sub) for sub in extra(con)]
+            return subs
+
+        subs: list[tuple[Any, int]] = []
+        try:
+            unit_path = self.load_unit(unit) if on_status is not None else None
+            subs += subscribe_on(self.con)
             self.subscribe()
             job = str(self.manager(method, signature, (unit, *args))[0])
             if job not in ended:
@@ -219,13 +237,51 @@ class Systemd:
                 timer = GLib.timeout_source_new(int(timeout * 1000))
                 timer.set_callback(lambda *_a: (loop.quit(), False)[1])
                 timer.attach(ctx)
+                watch = GLib.timeout_source_new(LOSS_CHECK_MS)
+                watch.set_callback(lambda *_a: self._through_a_loss(subs, subscribe_on, job, method, unit, ended, loop))
+                watch.attach(ctx)
                 loop.run()
                 timer.destroy()
+                watch.destroy()
             return JobResult(unit, job, ended.get(job, "timeout-waiting"))
         finally:
-            for sub in subs:
-                self.con.signal_unsubscribe(sub)
+            for con, sub in subs:
+                con.signal_unsubscribe(sub)
             ctx.pop_thread_default()
+
+    def _through_a_loss(self, subs: list[tuple[Any, int]], subscribe_on: Callable[[Any], list[tuple[Any, int]]],
+                        job: str, method: str, unit: str, ended: dict[str, str], loop: Any) -> bool:
+        """A wait's check that its connection is still open (a flag of our own, not a poll of
+        systemd). The bus restarted: the job's JobRemoved would go to the dead connection, so
+        subscribe again on the new one, then ask whether the job ended while we were away."""
+        if not subs or not subs[0][0].is_closed():
+            return True
+        try:
+            fresh = subscribe_on(self.con)
+        except (BusError, OperationFailed):
+            return True  # the bus still down: look again at the next tick
+        subs[:0] = fresh
+        try:
+            self.subscribe()
+            outcome = self._outcome_if_gone(job, method, unit)
+        except (BusError, OperationFailed, LookupError):
+            return True
+        if outcome is not None:
+            ended[job] = outcome
+            loop.quit()
+        return True
+
+    def _outcome_if_gone(self, job: str, method: str, unit: str) -> str | None:
+        """None while the job is still queued or running; once it is gone, what its unit's state
+        says of it (systemd's own result went to a connection that no longer exists)."""
+        try:
+            self.get(job, JOB, "State")
+            return None
+        except (OperationFailed, LookupError):
+            pass
+        state = str(self.get(self.load_unit(unit), UNIT, "ActiveState"))
+        wanted = ("inactive", "failed") if method == "StopUnit" else ("active", "reloading")
+        return "done" if state in wanted else "failed"
 
     def start(self, unit: str, **kw: Any) -> JobResult:
         return self.run_job("StartUnit", unit, **kw)
