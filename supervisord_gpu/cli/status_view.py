@@ -138,9 +138,9 @@ def render(data: dict[str, Any], colour: bool | None = None) -> str:
         if state == "failed" and inst["result"]:
             text = f"{text} (result: {inst['result']})".strip()
         if text:
-            lines.append(f"  {text[:76]}")
+            lines += _wrapped(text, "  ")
         elif last:
-            lines.append(f"  last status (daemon gone): {last[:49]}")
+            lines += _wrapped(f"last status (daemon gone): {last}", "  ")
         if daemon:
             lines.append(f"  {'PROCESS':<9}{'ROLE':<8}{'PID':>8} {'PORT':>6} {'GPUS':<6}{'PHASE':<20}{'RST':>3}  HEALTH")
             for p in daemon["processes"]:
@@ -152,7 +152,7 @@ def render(data: dict[str, Any], colour: bool | None = None) -> str:
                        if p["state"] == "ready" and p.get("serving") is False else "")
                 )
                 if p.get("last_error") and p["state"] in ("failed", "restarting", "stopped"):
-                    lines.append(f"    last error: {p['last_error'][:64]}")  # root and the control group see it
+                    lines += _wrapped(f"last error: {p['last_error']}", "    ")  # root and the control group see it
     if not data["instances"]:
         lines.append("no dsv4@ instances and no profiles found")
     if data["gpus"] is not None:
@@ -165,3 +165,12 @@ def render(data: dict[str, Any], colour: bool | None = None) -> str:
     for note in data["notes"]:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def _wrapped(text: str, indent: str, width: int = 78) -> list[str]:
+    """A reason is never cut: "restart limit reached" comes last in a long one. Wrapped at
+    word boundaries, continuation lines indented two more."""
+    import textwrap
+
+    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=indent + "  ",
+                         break_long_words=True, break_on_hyphens=False) or [indent]
