@@ -15,6 +15,7 @@ from ..records import dataclass
 from pathlib import Path
 from collections.abc import Mapping
 
+from ..engine import router_key
 from ..errors import ConfigError
 from ..sglang.caches import cache_environment
 from .model import DaemonConfig, OptionValue, ProcessSpec, Profile
@@ -42,10 +43,17 @@ class Launch:
     tmpdir: Path | None = None
     #: the persistent compile cache of the process's user (servers only)
     cache_root: Path | None = None
+    #: a router's control-plane key file (engine/router_key.py): read at spawn, never in `env`,
+    #: so `gpusupctl render` never prints it
+    router_key: Path | None = None
+    #: a router's workers as the profile names them: (url, worker_type); any other is foreign
+    router_workers: tuple[tuple[str, str], ...] = ()
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
         env = {k: v for k, v in base.items() if k in PASSED_ENV or k.startswith("LC_")}
         env.update(self.env)
+        if self.router_key is not None:
+            env[router_key.KEY_ENV] = router_key.ensure_key(self.router_key)
         return env
 
 
@@ -90,7 +98,11 @@ def checked_once(spec: ProcessSpec, managed: list[str], rest: list[str]) -> list
 
 
 def router_args(spec: ProcessSpec, profile: Profile) -> list[str]:
-    return checked_once(spec, ["--host", spec.host, "--port", str(spec.port)], _router_topology(spec, profile))
+    rest = _router_topology(spec, profile)
+    if any(t.split("=", 1)[0] == "--control-plane-api-keys" for t in rest):
+        raise ConfigError("", f"{spec.key}.options", "control-plane-api-keys is the daemon's own (a key of its "
+                          "making, kept off the command line); a key in the options would be readable in ps")
+    return checked_once(spec, ["--host", spec.host, "--port", str(spec.port)], rest)
 
 
 def _router_topology(spec: ProcessSpec, profile: Profile) -> list[str]:
@@ -105,6 +117,24 @@ def _router_topology(spec: ProcessSpec, profile: Profile) -> list[str]:
     else:
         args += ["--worker-urls", *(profile.process(n).url for n in spec.workers)]
     return args + render_options(spec.options)
+
+
+def router_workers(spec: ProcessSpec, profile: Profile) -> tuple[tuple[str, str], ...]:
+    """(url, worker_type) of each worker the profile gives the router, as its GET /workers lists them."""
+    if spec.router_mode == "pd":
+        return (*((profile.process(n).url, "prefill") for n in spec.prefill),
+                *((profile.process(n).url, "decode") for n in spec.decode))
+    return tuple((profile.process(n).url, "regular") for n in spec.workers)
+
+
+def keyed_router(program: tuple[str, ...]) -> tuple[str, ...]:
+    """The router program wrapped so its control-plane key comes from the environment, not argv."""
+    wrapped = router_key.shim_argv(program)
+    if not wrapped:
+        raise ConfigError("", "router_command", f"{' '.join(program)!r} is not `PYTHON -m MODULE`: the router's "
+                          "control-plane key can only reach it off its (world-readable) command line through "
+                          "a Python module run with -m")
+    return wrapped
 
 
 def router_program(cfg: DaemonConfig) -> tuple[str, ...]:
@@ -137,6 +167,7 @@ def render(profile: Profile, cfg: DaemonConfig, rehearsal_env: Mapping[str, str]
         # Rehearsal defaults next, so a profile's own env (a fault to inject, a start-up time) wins.
         env += list(rehearsal_env.items()) if rehearsal_env is not None else []
         env += spec.env
+        key: Path | None = None
         try:
             if spec.kind == "server":
                 # GPU indices in a profile are NVML's (nvidia-smi's), which follow the PCI bus; CUDA's
@@ -146,8 +177,10 @@ def render(profile: Profile, cfg: DaemonConfig, rehearsal_env: Mapping[str, str]
                 argv = (*program, *server_args(spec))
             else:
                 program = router_program(cfg) if rehearsal_env is not None else cfg.router_command
-                argv = (*program, *router_args(spec, profile))
+                argv = (*keyed_router(program), *router_args(spec, profile))
+                key = router_key.key_path(cfg.runtime_dir, profile.name)
         except ConfigError as e:
             raise ConfigError(profile.path, e.key, e.problem) from None
-        launches.append(Launch(spec, tuple(argv), tuple(env), spec.user, tmpdir, cache_root))
+        launches.append(Launch(spec, tuple(argv), tuple(env), spec.user, tmpdir, cache_root, key,
+                               router_workers(spec, profile) if key is not None else ()))
     return launches

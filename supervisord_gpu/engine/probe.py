@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from ..records import dataclass
 
 
@@ -66,12 +67,15 @@ def _healthy_workers(body: bytes) -> int:
 
 
 async def request(method: str, host: str, port: int, path: str, body: object = None,
-                  timeout: float = 5.0) -> tuple[int | None, bytes]:
+                  timeout: float = 5.0, headers: Mapping[str, str] | None = None) -> tuple[int | None, bytes]:
     """One HTTP/1.1 request with an optional JSON body; (status, body), status None without an answer.
 
     For the few control calls the engine makes (the router's /workers API, a server's load):
-    small bodies, one connection each, never blocking the loop.
+    small bodies, one connection each, never blocking the loop. `headers` (the router's
+    `Authorization: Bearer KEY`) must not hold CR or LF: a value that could add a header of its
+    own is refused (ValueError), never sent.
     """
+    extra = "".join(f"{name}: {value}\r\n" for name, value in _safe(headers or {}))
     writer = None
     payload = b"" if body is None else json.dumps(body).encode()
     try:
@@ -80,7 +84,7 @@ async def request(method: str, host: str, port: int, path: str, body: object = N
             hostname = f"[{host}]" if ":" in host else host
             head = (f"{method} {path} HTTP/1.1\r\nHost: {hostname}:{port}\r\nConnection: close\r\n"
                     f"Content-Length: {len(payload)}\r\n" + ("Content-Type: application/json\r\n" if body is not None else "")
-                    + "\r\n")
+                    + extra + "\r\n")
             writer.write(head.encode() + payload)
             await writer.drain()
             raw = await reader.read()
@@ -96,6 +100,13 @@ async def request(method: str, host: str, port: int, path: str, body: object = N
     if b"transfer-encoding: chunked" in head_bytes.lower():
         rest = _unchunk(rest)
     return int(parts[1]), rest
+
+
+def _safe(headers: Mapping[str, str]) -> list[tuple[str, str]]:
+    for name, value in headers.items():
+        if any(c in name + value for c in "\r\n\0") or not name or ":" in name:
+            raise ValueError(f"header {name!r} would not be one header line")
+    return list(headers.items())
 
 
 def _unchunk(data: bytes) -> bytes:

@@ -27,6 +27,7 @@ from .events import Event, LogSink
 from .liveness import LivenessWatch
 from .output import OutputSplitter
 from .probe import ProbeResult, probe, request
+from .traffic import RouterWorkers
 from .states import State
 
 TAIL_LINES = 20
@@ -349,6 +350,11 @@ class ManagedProcess:
             result = await self._probe_unless_exited(host)
             status = result.status if result else None
             ours = await self._check_listener() if result and result.connected else False
+            if status == 200 and ours and spec.kind == "router":
+                # the router's own /readiness counts any healthy worker; ours counts the profile's,
+                # and removes anyone else's first (engine/traffic.py, RouterWorkers.enforce)
+                if not (await RouterWorkers.of(self.launch).enforce(self.sink, self.name)).ready:
+                    status = 503
             if status == 200 and ours and not self._exited.is_set():
                 self.ready_since = time.time()
                 self.phase_durations["total"] = time.monotonic() - started
@@ -424,6 +430,9 @@ class ManagedProcess:
                     asking = asyncio.ensure_future(ask_scheduler())
                 status = (await probe(spec.probe_host, spec.port, cfg.liveness_path, cfg.liveness_timeout_s)).status
                 verdict = watch.front(status, time.monotonic())
+                if spec.kind == "router" and status == 200:
+                    # a worker nobody in the profile named gets users' prompts: named and removed
+                    await RouterWorkers.of(self.launch).enforce(self.sink, self.name)
                 self._note_serving(verdict.serving, status)
                 if verdict.kill:
                     self.signals_sent[signal.SIGKILL] = verdict.kill
@@ -491,6 +500,14 @@ class ManagedProcess:
                 os.kill(self.spawned.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+            if not self.spec.serves_http:
+                # SGLang's rank > 0 only logs SIGTERM and exits with rank 0's ShutdownReq
+                # (engine.py:1264-1273): in a cluster stop, when rank 0's drain ends; stopped
+                # alone, at the deadline, and rank 0 then fails. Waiting is what keeps rank 0's
+                # drain whole, so the deadline stays; this line says why it takes that long.
+                self.sink.event(f"{self.name}: rank {self.spec.node_rank} exits when rank 0 does (SGLang waits for "
+                                f"its ShutdownReq); killed at {timeout:g} s if rank 0 runs on", 5,
+                                GPUSUP_PROCESS=self.name, GPUSUP_EVENT="follower-stop")
             try:
                 await asyncio.wait_for(self._exited.wait(), timeout)
             except TimeoutError:

@@ -7,6 +7,10 @@ router's own worker API (sglang-router 0.3.2): DELETE /workers/{id} stops new re
 while those already proxied complete; once the server reports nothing in flight it can be
 stopped, and POST /workers puts the restarted server back. With the whole instance stopping,
 none of this is needed: the router stops first and closes its listener.
+
+That API is closed to everyone but the daemon (engine/router_key.py: each call carries the
+instance's control-plane key), and RouterWorkers.enforce keeps the list to the workers the
+profile names: anyone else's is named in the journal at error priority and removed.
 """
 
 from __future__ import annotations
@@ -15,57 +19,126 @@ import asyncio
 import json
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 from ..config.model import ProcessSpec
+from ..config.render import Launch
+from ..errors import one_line
+from ..records import dataclass
+from .events import LogSink
 from .probe import request
+from .router_key import RouterKeyError, auth_header, read_key
 
 POLL_S = 0.1
 API_TIMEOUT_S = 5.0
+FOREIGN_REMOVAL_TIMEOUT_S = 5.0  # the router drops a DELETEd worker from its list in milliseconds
 
 _METRIC = re.compile(r"^sglang:(num_running_reqs|num_queue_reqs)(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
 
 
-class RouterWorkers:
-    """One router's worker list, through its HTTP API."""
+@dataclass(frozen=True)
+class WorkerCheck:
+    """The router's worker list against the profile (RouterWorkers.enforce)."""
 
-    def __init__(self, router: ProcessSpec) -> None:
+    #: workers the profile names that the router lists as healthy
+    healthy: int
+    #: how many the profile names
+    expected: int
+    #: each foreign worker found ("URL (type, id ID)"), removed or not
+    foreign: tuple[str, ...] = ()
+    #: why the list could not be read or a foreign worker is still in it; "" when neither
+    problem: str = ""
+
+    @property
+    def clean(self) -> bool:
+        """No worker of anyone else's left in the router (or none we know of: see `problem`)."""
+        return not self.problem
+
+    @property
+    def ready(self) -> bool:
+        """Readiness as the profile means it: every one of its workers healthy, nobody else's."""
+        return self.clean and self.healthy >= self.expected
+
+
+class RouterWorkers:
+    """One router's worker list, through its HTTP API, with the instance's control-plane key.
+
+    The key file is read on every call (engine/router_key.py checks it each time), so a call
+    made before the router's first start, or with the file tampered with, fails with a reason
+    rather than going out without the header.
+    """
+
+    def __init__(self, router: ProcessSpec, key_file: Path | None = None,
+                 expected: tuple[tuple[str, str], ...] = ()) -> None:
         self.router = router
         self.host = router.probe_host
         self.port = router.port
+        self.key_file = key_file
+        #: (url, worker_type) of each worker the profile names: any other listed worker is foreign
+        self.expected = expected
+
+    @classmethod
+    def of(cls, launch: Launch) -> RouterWorkers:
+        """The API of the router `launch` starts (render.py sets its key file and workers)."""
+        return cls(launch.spec, launch.router_key, launch.router_workers)
+
+    async def _call(self, method: str, path: str, body: object = None) -> tuple[int | None, bytes]:
+        try:
+            headers = auth_header(read_key(self.key_file)) if self.key_file is not None else {}
+        except RouterKeyError as e:
+            return None, str(e).encode()
+        return await request(method, self.host, self.port, path, body, timeout=API_TIMEOUT_S, headers=headers)
 
     async def workers(self) -> list[dict[str, Any]] | None:
-        status, body = await request("GET", self.host, self.port, "/workers", timeout=API_TIMEOUT_S)
+        return (await self._list())[0]
+
+    async def _list(self) -> tuple[list[dict[str, Any]] | None, str]:
+        """(the router's workers, "") or (None, why not): a list we cannot read is never "empty"."""
+        status, body = await self._call("GET", "/workers")
+        why = f"the router's worker list could not be read ({status or 'no answer'}: {body[:160]!r})"
         if status != 200:
-            return None
+            return None, why
         try:
             data = json.loads(body)
         except ValueError:
-            return None
+            return None, why
         workers = data.get("workers") if isinstance(data, dict) else None
-        return [w for w in workers if isinstance(w, dict)] if isinstance(workers, list) else None
+        if not isinstance(workers, list):
+            return None, why
+        return [w for w in workers if isinstance(w, dict)], ""
 
     async def _find(self, url: str) -> dict[str, Any] | None:
         for w in await self.workers() or []:
-            if str(w.get("url", "")).rstrip("/") == url:
+            if _url(w) == url:
                 return w
         return None
 
-    async def withdraw(self, server: ProcessSpec, timeout: float) -> str:
-        """Remove `server` from the router; returns "" once it is gone from the list, else why not."""
-        worker = await self._find(server.url)
-        if worker is None:
-            return ""  # not (or no longer) registered: nothing routes to it
-        status, body = await request("DELETE", self.host, self.port, f"/workers/{worker.get('id', '')}",
-                                     timeout=API_TIMEOUT_S)
+    async def _listed(self, worker_id: str) -> bool:
+        return any(str(w.get("id", "")) == worker_id for w in await self.workers() or [])
+
+    async def _delete(self, worker: dict[str, Any], timeout: float) -> str:
+        """DELETE one worker by id and wait until the list no longer has it; "" once gone, else why not."""
+        worker_id = str(worker.get("id", ""))
+        status, body = await self._call("DELETE", f"/workers/{worker_id}")
         if status not in (200, 202, 204):
             return f"the router refused to remove it ({status or 'no answer'}: {body[:120]!r})"
         deadline = time.monotonic() + timeout
-        while await self._find(server.url) is not None:
+        while await self._listed(worker_id):
             if time.monotonic() > deadline:
                 return f"the router still lists it {timeout:g} s after removing it"
             await asyncio.sleep(POLL_S)
         return ""
+
+    async def withdraw(self, server: ProcessSpec, timeout: float) -> str:
+        """Remove `server` from the router; returns "" once it is gone from the list, else why not."""
+        listed, why = await self._list()
+        if listed is None:
+            return why  # unknown is not "not registered": traffic may still reach it
+        worker = next((w for w in listed if _url(w) == server.url), None)
+        if worker is None:
+            return ""  # not (or no longer) registered: nothing routes to it
+        return await self._delete(worker, timeout)
 
     async def restore(self, server: ProcessSpec, timeout: float) -> str:
         """Add `server` back and wait until the router calls it healthy; "" on success, else why not."""
@@ -75,7 +148,7 @@ class RouterWorkers:
                 body["worker_type"] = server.role
                 if server.role == "prefill":
                     body["bootstrap_port"] = server.bootstrap_port
-            status, answer = await request("POST", self.host, self.port, "/workers", body, timeout=API_TIMEOUT_S)
+            status, answer = await self._call("POST", "/workers", body)
             if status not in (200, 201, 202):
                 return f"the router refused to add it back ({status or 'no answer'}: {answer[:120]!r})"
         deadline = time.monotonic() + timeout
@@ -84,6 +157,53 @@ class RouterWorkers:
                 return f"the router did not take it back within {timeout:g} s"
             await asyncio.sleep(POLL_S)
         return ""
+
+    def is_ours(self, worker: dict[str, Any]) -> bool:
+        """Named by the profile, with the type it gives it (our decode URL listed as a prefill is not ours)."""
+        return (_url(worker), str(worker.get("worker_type", "regular"))) in self.expected
+
+    async def foreign_workers(self) -> list[dict[str, Any]] | None:
+        """Every listed worker the profile does not name (None: the list could not be read)."""
+        listed = await self.workers()
+        return None if listed is None else [w for w in listed if not self.is_ours(w)]
+
+    async def enforce(self, sink: LogSink, process: str) -> WorkerCheck:
+        """Read the router's list; name each foreign worker at error priority and remove it at once.
+
+        Why remove rather than fail the instance: a worker someone else added receives users'
+        prompts and answers them with whatever it likes, from the moment it is healthy; every
+        second it stays is more of them. Without the key it cannot be added again, and our own
+        workers keep serving. Returns how many of ours are healthy, for readiness.
+        """
+        listed, why = await self._list()
+        if listed is None:
+            return WorkerCheck(0, len(self.expected), problem=why)
+        found, left = [], []
+        for w in (w for w in listed if not self.is_ours(w)):
+            found.append(what := _describe(w))
+            sink.event(f"{process}: foreign worker {what}: the profile does not name it and it would get users' "
+                       "requests; removing it from the router", 3, GPUSUP_PROCESS=process,
+                       GPUSUP_EVENT="foreign-worker", GPUSUP_WORKER=what)
+            if why := await self._delete(w, FOREIGN_REMOVAL_TIMEOUT_S):
+                left.append(what)
+                sink.event(f"{process}: foreign worker {what} is still in the router: {why}", 3,
+                           GPUSUP_PROCESS=process, GPUSUP_EVENT="foreign-worker", GPUSUP_WORKER=what)
+            else:
+                sink.event(f"{process}: foreign worker {what} removed from the router", 4, GPUSUP_PROCESS=process,
+                           GPUSUP_EVENT="foreign-worker-removed", GPUSUP_WORKER=what)
+        healthy = sum(1 for w in listed if self.is_ours(w) and w.get("is_healthy", False))
+        problem = f"foreign worker(s) still in the router: {', '.join(left)}" if left else ""
+        return WorkerCheck(healthy, len(self.expected), tuple(found), problem)
+
+
+def _url(worker: dict[str, Any]) -> str:
+    return str(worker.get("url", "")).rstrip("/")
+
+
+def _describe(worker: dict[str, Any]) -> str:
+    """One line, bounded: the URL and type come from whoever added the worker."""
+    text = f"{_url(worker)} ({worker.get('worker_type', '?')}, id {worker.get('id', '?')})"
+    return one_line(text)[:200]
 
 
 async def in_flight(server: ProcessSpec) -> int | None:

@@ -40,6 +40,14 @@ re-checked 2026-12-01 for the points below):
   worker once its /health answers 200; DELETE /workers/{id} answers 202 {"status":"accepted",
   "worker_id":ID,"message":"Worker removal queued for background processing"} and the worker is
   gone from routing and from GET /workers at once, while requests already sent to it complete;
+* `--control-plane-api-keys ID:NAME:ROLE:KEY ...` (ROLE admin or user; anything else, or not
+  four fields, is a ValueError traceback and exit 1): the worker API (every method on /workers
+  and /workers/{id}) and /get_loads, /flush_cache then want `Authorization: Bearer KEY` of an
+  admin key: without it, or with another scheme ("bearer" too), 401 "Missing or invalid
+  Authorization header"; with a key it does not know, 401 "Invalid authentication token"
+  (both text/plain with `WWW-Authenticate: Bearer realm="control-plane"`); with a user key, 403
+  "Admin role required for control plane access". /health, /liveness, /readiness, /generate,
+  /v1/*, /get_model_info and /get_server_info stay open;
 * POST `/generate` (and the OpenAI routes) forwarded round-robin; in PD mode sent to a
   prefill and a decode with bootstrap_host/bootstrap_port/bootstrap_room added, answering
   with the decode reply;
@@ -53,6 +61,7 @@ Standard library only, so it starts in tens of milliseconds.
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import os
 import random
@@ -316,9 +325,56 @@ def _policy_text(policy: str) -> str:
                            "eviction_interval_secs: 120, max_tree_size: 67108864 }"}.get(policy, policy)
 
 
+#: what the real router's auth middleware guards when control-plane keys are set (0.3.2, observed)
+CONTROL_PLANE_PATHS = ("/workers", "/get_loads", "/flush_cache")
+_MISSING_AUTH = "Missing or invalid Authorization header"
+_BAD_TOKEN = "Invalid authentication token"
+_NOT_ADMIN = "Admin role required for control plane access"
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    id: str
+    name: str
+    role: str  # admin or user
+    key: str
+
+
+def parse_control_plane_keys(entries: list[str] | None) -> list[ApiKey]:
+    """RouterArgs._parse_control_plane_api_keys: 'id:name:role:key', split at the first three colons."""
+    keys = []
+    for entry in entries or []:
+        parts = entry.split(":", 3)
+        if len(parts) != 4:
+            raise ValueError(f"Invalid API key format: '{entry}'. Expected 'id:name:role:key'")
+        key_id, name, role, key = parts
+        if role.lower() not in ("admin", "user"):
+            raise ValueError(f"Invalid role: '{role}'. Must be 'admin' or 'user'")
+        keys.append(ApiKey(key_id, name, role.lower(), key))
+    return keys
+
+
+def is_control_plane(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in CONTROL_PLANE_PATHS)
+
+
+def authorize(keys: list[ApiKey], header: str | None) -> tuple[int, str, ApiKey | None]:
+    """(0, "", key) when `header` carries an admin key; else the real router's status and text."""
+    if header is None or not header.startswith("Bearer "):
+        return 401, _MISSING_AUTH, None
+    token = header[len("Bearer "):].encode()
+    found = next((k for k in keys if hmac.compare_digest(k.key.encode(), token)), None)
+    if found is None:
+        return 401, _BAD_TOKEN, None
+    if found.role != "admin":
+        return 403, _NOT_ADMIN, found
+    return 0, "", found
+
+
 class StandinRouter:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.keys = parse_control_plane_keys(args.control_plane_api_keys)
         self.pd = bool(args.pd_disaggregation)
         self.lock = threading.Lock()
         self.workers: list[Worker] = []
@@ -359,6 +415,9 @@ class StandinRouter:
         log("INFO", "smg::server", "Workers initialized: 0 total, 0 healthy", 875)
         log("INFO", "smg::server", f"Rate limiting is disabled (max_concurrent_requests = {a.max_concurrent_requests})", 907)
         log("INFO", "smg::server", "Router ready | workers: []", 985)
+        if self.keys:
+            log("INFO", "smg::auth::middleware", "Initializing control plane authentication...", 115)
+            log("INFO", "smg::auth::middleware", f"Control plane API key authentication enabled ({len(self.keys)} keys)", 122)
         log("INFO", "smg::server", f"Starting server on {a.host}:{a.port}", 1018)
         try:
             self.http = StandinHTTPServer(a.host, a.port, _make_handler(self))
@@ -625,10 +684,23 @@ def _make_handler(app: StandinRouter) -> type[JSONHandler]:
             log_request(self.command, uri, self.request_id)
             t0 = time.monotonic()
             try:
-                handle()
+                if not (app.keys and is_control_plane(uri) and self._refused()):
+                    handle()
             finally:
                 log_request(self.command, uri, self.request_id, self.status_sent or 500,
                             int((time.monotonic() - t0) * 1e6))
+
+        def _refused(self) -> bool:
+            """The control plane's auth middleware: True after answering 401/403."""
+            status, text, key = authorize(app.keys, self.headers.get("Authorization"))
+            if not status:
+                return False
+            if key is not None:
+                log("WARN", "smg::auth::middleware", f"api_key {key.id} has role User but admin is required for "
+                    "control plane access", 163)
+            self.send_bytes(status, text.encode(), "text/plain; charset=utf-8",
+                            headers={} if status == 403 else {"www-authenticate": 'Bearer realm="control-plane"'})
+            return True
 
         def _worker_id(self, path: str) -> str | None:
             """The {id} of /workers/{id}, or None after answering 400 for one that is not a UUID."""
@@ -766,6 +838,12 @@ def _make_prom_handler(app: StandinRouter) -> type[JSONHandler]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        parse_control_plane_keys(args.control_plane_api_keys)
+    except ValueError as e:  # raised in RouterArgs.from_cli_args, before launch_router's try: no "Error starting"
+        _stderr('Traceback (most recent call last):\n  File "sglang_router/router_args.py", line 1041, in '
+                f"_parse_control_plane_api_keys\nValueError: {e}\n")
+        return 1
     try:
         router = StandinRouter(args)
     except ValueError as e:
