@@ -439,3 +439,34 @@ def test_a_foreign_worker_added_after_ready_is_removed_by_the_next_liveness_tick
 
     assert asyncio.run(go()), "the foreign worker is still in the router"
     assert f"foreign worker {evil}" in capsys.readouterr().err
+
+
+@as_root
+def test_a_process_of_the_routers_own_user_cannot_read_the_key_from_its_environment() -> None:
+    """The servers run as the router's user (model code, trust-remote-code): /proc/PID/environ
+    must be root's alone once the shim runs."""
+    import subprocess
+    import sys
+    import time
+
+    from supervisord_gpu.engine.router_key import KEY_ENV, ROUTER_SHIM
+
+    import shutil
+    import tempfile
+
+    nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+    where = tempfile.mkdtemp()
+    os.chmod(where, 0o755)
+    Path(where, "sleeper.py").write_text("import time\ntime.sleep(30)\n")  # stands in for sglang_router
+    env = dict(os.environ, PYTHONPATH=where, **{KEY_ENV: "not-a-real-key-4711"})
+    proc = subprocess.Popen([*nobody, sys.executable, "-c", ROUTER_SHIM, "sleeper"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(1.0)
+        assert proc.poll() is None
+        peek = subprocess.run([*nobody, "cat", f"/proc/{proc.pid}/environ"], capture_output=True)
+        assert b"not-a-real-key-4711" not in peek.stdout and peek.returncode != 0, peek
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(where)

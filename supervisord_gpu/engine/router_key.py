@@ -15,7 +15,8 @@ Where the key lives: one file per instance, `<runtime_dir>/<instance>/router.key
 owned by the daemon's user (root in production), created with O_EXCL|O_NOFOLLOW and re-read
 only after fstat says it is still ours and private. The router runs as an unprivileged user and
 cannot read it; it gets the key in its environment instead (/proc/PID/environ is readable by
-its own user and root only), and never on its command line: sglang-router reads keys only from
+its own user and root only, and by root alone once the shim has made the process non-dumpable),
+and never on its command line: sglang-router reads keys only from
 its argv, and /proc/PID/cmdline is world-readable (ProtectProc=invisible hides it only inside
 the unit's own mount namespace, not from the host). So the router is started through a few
 lines of Python (ROUTER_SHIM) that move the key from the environment into the router's own
@@ -41,6 +42,10 @@ _ALPHABET = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01234
 #: router's argv inside its own process (what `ps` shows stays without it), then MODULE runs as
 #: `python -m MODULE ARGS...` would. Without the key it refuses to start rather than run open.
 ROUTER_SHIM = (
+    # first of all: not dumpable, so /proc/PID/environ and /proc/PID/mem, where the key still is,
+    # are root's alone; a server of the same user (model code with trust-remote-code) could read
+    # them otherwise. What remains is the interpreter's start-up, before this line runs.
+    "import ctypes; ctypes.CDLL(None).prctl(4, 0, 0, 0, 0); "  # prctl(PR_SET_DUMPABLE, 0)
     f"import os, runpy, sys; key = os.environ.pop({KEY_ENV!r}, ''); "
     f"key or sys.exit('supervisord-gpu: no control-plane key in {KEY_ENV}; refusing to start the router open'); "
     "module = sys.argv.pop(1); "
