@@ -226,7 +226,9 @@ def profile_for(case: Case, ports: list[int]) -> str:
 async def run_engine_case(case: Case, tmp: Path, cgroups, made: list) -> tuple[str, str]:  # type: ignore[no-untyped-def]
     """Inject the fault; return (final state, reason). Asserts the case's own expectations."""
     ports = free_ports(5)
-    cdir = write_config(tmp, {"pd": profile_for(case, ports)}, cgroups.root, startup=STARTUP_S)
+    # the slow and hang cases set start_timeout = 2: with no progress for 2 s after that, the start fails
+    cdir = write_config(tmp, {"pd": profile_for(case, ports)}, cgroups.root, startup=STARTUP_S,
+                        daemon_extra="start_stall_timeout = 2")
     instance, _ = make_instance(cdir, "pd")
     made.append(instance)
     t, f, p = case.target, case.fault, case.phase

@@ -74,7 +74,8 @@ def test_progress_extends_a_start_to_stall_timeout_after_it_up_to_the_cap():
     rule = StartDeadline(started=0.0, timeout_s=10, stall_s=5, cap_s=60)
     assert rule.at(2.0) == 10  # early progress does not shorten start_timeout
     assert rule.at(30.0) == 35  # a bar still moving at 30 s: 5 s more after it
-    assert "no progress for 5 s (start_stall_timeout 5 s)" in rule.why(35, 30.0)
+    assert rule.why(35, 30.0) == ("not ready within its start_timeout of 10 s, and no progress for 5 s since "
+                                  "(start_stall_timeout 5 s; 35 s in all)")
     assert rule.at(59.0) == 60  # the cap holds, however busy
     assert rule.why(60, 59.0) == "not ready within its start_timeout_max of 60 s"
     assert rule.at(-5.0) == 10  # progress from before this start does not count

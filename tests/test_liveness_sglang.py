@@ -190,4 +190,4 @@ def test_a_start_silent_for_start_stall_timeout_fails_naming_it(tmp_path, cgroup
 
     took, why = asyncio.run(go())
     assert 5 <= took <= 15, f"failed after {took:.1f} s"
-    assert "no progress for 5 s (start_stall_timeout 5 s)" in why, why
+    assert "server: not ready within its start_timeout of 2 s, and no progress for 5 s since (start_stall_timeout 5 s" in why, why

@@ -149,9 +149,17 @@ def describe_pid(pid: int) -> Holder:
         cmdline = f"[{comm}] <defunct>"
     else:
         cmdline = f"[{comm}]"  # a kernel thread, or a cmdline we may not read (hidepid): its name
-    owner = owner_of_cgroup(cgroup) if cgroup else None
+    # named like ours is not enough: a cgroupfs path must be root's alone (ownership/cgroupfs.py),
+    # or a user's look-alike cgroup in a subtree delegated to them would pass for our instance
+    owner = _verified_owner(cgroup) if cgroup and owner_of_cgroup(cgroup) else None
     unit = unit_of_cgroup(cgroup) if cgroup else None
     return Holder(pid, user, cmdline, cgroup, unit, owner, True)
+
+
+def _verified_owner(cgroup: str) -> Owner | None:
+    from ..ownership.cgroupfs import verified_owner  # only for holders the name calls ours
+
+    return verified_owner(cgroup)
 
 
 def describe_gpu_pid(pid: int, pids_local: bool) -> Holder:

@@ -97,13 +97,31 @@ def check_ports(specs: Iterable[tuple[str, int, str]]) -> list[PortStatus]:
 
 
 def bind_test(host: str, port: int) -> tuple[bool, str | None]:
-    """(free, error): can a server bind host:port right now? Costs one socket, ~20 µs."""
+    """(free, error): can a server bind host:port right now? Costs one socket, ~20 µs.
+
+    For a loopback *name* (`localhost`) the other family's loopback is tried too: the name
+    may resolve to 127.0.0.1 or ::1 depending on /etc/hosts, and a client of it reaches
+    whichever listens there, so a stranger on [::1]:P holds `localhost:P` as surely as one
+    on 127.0.0.1:P. An address literal means that address only."""
     try:
         addr = resolve(host)
     except (OSError, ValueError) as e:
         return False, f"cannot resolve {host!r}: {e}"
+    free, error = _bind(addr, host, port)
+    if free and loopback_name(host):
+        other_free, other_error = _bind(_other_loopback(addr), host, port)
+        if not other_free and other_error is None:
+            return False, None  # held there; an unconfigured ::1 (no IPv6) is no reason to refuse
+    return free, error
+
+
+def _bind(addr: _IPAddress, host: str, port: int) -> tuple[bool, str | None]:
     family = socket.AF_INET6 if addr.version == 6 else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
+    try:
+        s = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
+        return False, f"cannot bind: {e.strerror or e}"
+    with s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((str(addr), port))
@@ -114,6 +132,31 @@ def bind_test(host: str, port: int) -> tuple[bool, str | None]:
                 return False, f"address {host} is not configured on this machine"
             return False, f"cannot bind: {e.strerror or e}"
     return True, None
+
+
+#: names every resolver maps to loopback (RFC 6761 reserves *.localhost; Debian's /etc/hosts
+#: has ip6-localhost and ip6-loopback)
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
+
+
+def loopback_name(host: str) -> bool:
+    """A host *name* that means loopback, of either family: decided from the name, not a lookup."""
+    name = host.lower().rstrip(".")
+    return name in LOOPBACK_NAMES or name.endswith(".localhost")
+
+
+def is_loopback(host: str) -> bool:
+    """A loopback name or a loopback address (127.0.0.0/8, ::1, ::ffff:127.x.y.z)."""
+    if loopback_name(host):
+        return True
+    try:
+        return _unmap(ipaddress.ip_address(host.strip("[]"))).is_loopback
+    except ValueError:
+        return False
+
+
+def _other_loopback(addr: _IPAddress) -> _IPAddress:
+    return ipaddress.IPv4Address("127.0.0.1") if _unmap(addr).version == 6 else ipaddress.IPv6Address("::1")
 
 
 def resolve(host: str) -> _IPAddress:
@@ -212,8 +255,9 @@ def _blocking_sockets(wanted: list[tuple[str, int]]) -> dict[tuple[str, int], di
     for (host, port), want in resolved.items():
         listening: dict[int, int] = {}
         other: dict[int, int] = {}
+        overlaps = _overlaps_any_family if loopback_name(host) else _overlaps  # as bind_test
         for addr, sport, state, uid, inode in table:
-            if sport != port or inode == 0 or state == _TIME_WAIT or not _overlaps(want, addr):
+            if sport != port or inode == 0 or state == _TIME_WAIT or not overlaps(want, addr):
                 continue
             (listening if state == _LISTEN else other)[inode] = uid
         out[(host, port)] = listening or other

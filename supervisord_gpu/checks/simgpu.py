@@ -7,8 +7,21 @@ not a zombie. So a foreign holder is simulated simply by running a stand-in outs
 daemon, and a detached grandchild keeps its memory until it, not its parent, is dead.
 
 Layout of the directory:
-    devices.json          {"gpus": [{"index", "uuid", "name", "total_mib", "reserved_mib"}]}
-    holders/<pid>.json    {"pid", "create_time", "gpus": [...], "mib": N}
+    devices.json               {"gpus": [{"index", "uuid", "name", "total_mib", "reserved_mib"}]}
+    holders/                   the creator's, 1777: anyone adds a directory, nobody removes another's
+    holders/<uid>/             one user's holdings: owned by that user, 0755, created by its first hold()
+    holders/<uid>/<pid>.json   {"pid", "create_time", "gpus": [...], "mib": N}
+
+Who may claim what: the stand-ins run as the profiles' users (sglang, nobody), so each must
+write its own holdings, and no user may forge or remove another's. A holding counts only
+in a directory that is not writable by group or others, in a file owned by that directory's
+owner, for a process whose real uid is that owner (root's directory may name any process).
+So a user can claim memory only for processes of their own, which is what a real process of
+theirs could do on a real GPU, and can delete only their own. Directories are recognised by
+their owner, not their name: one squatting `holders/<your uid>` only makes hold() pick a
+fresh directory of yours beside it. No root helper is needed, which is why this, rather
+than files written by the daemon on a child's behalf: the stand-ins outside any daemon (a
+foreign holder played by hand) work the same way.
 """
 
 from __future__ import annotations
@@ -16,12 +29,20 @@ from __future__ import annotations
 import json
 import os
 import stat
+import tempfile
 from ..records import dataclass
 from pathlib import Path
+
+from ..ownership.procfs import real_uid
 
 ENV_DIR = "SUPERVISORD_GPU_SIMGPU_DIR"
 H200_TOTAL_MIB = 143771
 H200_RESERVED_MIB = 615
+_WRITE_BITS = stat.S_IWGRP | stat.S_IWOTH
+
+
+class UntrustedSimGpus(OSError):
+    """The simulated GPUs' directory is not its creator's alone: holdings there prove nothing."""
 
 
 @dataclass(frozen=True)
@@ -56,10 +77,7 @@ class SimulatedGpus:
         name: str = "Simulated NVIDIA H200",
     ) -> SimulatedGpus:
         sim = cls(directory)
-        (sim.directory / "holders").mkdir(parents=True, exist_ok=True)
-        # stand-ins run as the profiles' users: like /tmp, anyone adds, nobody replaces another's
-        os.chmod(sim.directory, 0o755)
-        os.chmod(sim.directory / "holders", 0o1777)
+        sim._make_directories()
         gpus = [
             {
                 "index": i,
@@ -72,6 +90,39 @@ class SimulatedGpus:
         ]
         _atomic_write(sim.directory / "devices.json", json.dumps({"gpus": gpus}, indent=1))
         return sim
+
+    def _make_directories(self) -> None:
+        """The directory ours and 0755, holders/ ours and 1777 (see the module docstring).
+
+        An existing one of another user's is refused, not repaired: they could have planted
+        anything there, and could remove everyone's holdings from it."""
+        holders = self.directory / "holders"
+        holders.mkdir(parents=True, exist_ok=True)
+        for path, mode in ((self.directory, 0o755), (holders, 0o1777)):
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode) or st.st_uid != os.geteuid():
+                raise UntrustedSimGpus(f"refusing simulated GPUs in {path}: it is owned by uid {st.st_uid} "
+                                       f"(or a symlink), not by uid {os.geteuid()} who creates them")
+            os.chmod(path, mode)
+
+    def _own_holders_dir(self) -> Path:
+        """A directory of holdings owned by this user alone: `holders/<uid>`, or a fresh one
+        beside it when someone else squats that name (directories count by owner, not name)."""
+        holders = self.directory / "holders"
+        uid = os.geteuid()
+        mine = holders / str(uid)
+        try:
+            os.mkdir(mine, 0o755)
+            os.chmod(mine, 0o755)  # the umask (the unit's is 0027) would keep other readers out
+        except FileExistsError:
+            pass
+        candidates = [mine, *sorted(holders.glob(f"{uid}.*"))]
+        for d in candidates:
+            if _holdings_dir_owner(os.lstat(d)) == uid:
+                return d
+        fresh = Path(tempfile.mkdtemp(prefix=f"{uid}.", dir=holders))
+        os.chmod(fresh, 0o755)
+        return fresh
 
     def exists(self) -> bool:
         return (self.directory / "devices.json").is_file()
@@ -86,35 +137,66 @@ class SimulatedGpus:
         import psutil  # only to hold (tests, stand-ins): a reader never pays for the import
 
         create_time = psutil.Process(pid).create_time()
-        path = self.directory / "holders" / f"{pid}.json"
+        path = self._own_holders_dir() / f"{pid}.json"
         record = {"pid": pid, "create_time": create_time, "gpus": list(gpus), "mib": int(mib)}
         _atomic_write(path, json.dumps(record))
         return path
 
     def holders(self) -> list[SimHolding]:
-        """Holdings of processes that are alive right now; dead ones hold nothing."""
+        """Holdings of processes that are alive right now; dead ones hold nothing.
+
+        Only holdings a user made for their own processes count (see the module docstring)."""
         found: list[SimHolding] = []
-        holders_dir = self.directory / "holders"
         try:
-            entries = list(os.scandir(holders_dir))
+            dirs = list(os.scandir(self.directory / "holders"))
         except FileNotFoundError:
             return found
         boot = _boot_time()
-        for entry in entries:
-            if entry.name.startswith("."):
-                continue  # a holding being written (_atomic_write's temporary), not a holding yet
-            parsed = _parse_holding(entry.path)
-            if parsed is None:
-                continue  # not a holding: a FIFO, a directory, garbage (anyone may have written it)
-            holding, create_time = parsed
-            if _alive(holding.pid, create_time, boot):
-                found.append(holding)
-            else:
-                try:
-                    os.unlink(entry.path)
-                except OSError:
-                    pass
+        for d in dirs:
+            try:
+                owner = _holdings_dir_owner(d.stat(follow_symlinks=False))
+            except OSError:
+                continue
+            if owner is not None:
+                found += _holdings_in(d.path, owner, boot)
         return found
+
+
+def _holdings_dir_owner(st: os.stat_result) -> int | None:
+    """The uid a directory of holdings speaks for: a real directory only its owner can write."""
+    if not stat.S_ISDIR(st.st_mode) or st.st_mode & _WRITE_BITS:
+        return None
+    return st.st_uid
+
+
+def _holdings_in(directory: str, owner: int, boot: float | None) -> list[SimHolding]:
+    """The live holdings in one user's directory; the dead ones removed (where we may)."""
+    found: list[SimHolding] = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return found
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue  # a holding being written (_atomic_write's temporary), not a holding yet
+        parsed = _parse_holding(entry.path, owner)
+        if parsed is None or entry.name != f"{parsed[0].pid}.json":
+            continue  # not a holding: a FIFO, a directory, garbage, someone else's file
+        holding, create_time = parsed
+        if _alive(holding.pid, create_time, boot):
+            if _speaks_for(owner, holding.pid):
+                found.append(holding)
+        else:
+            try:
+                os.unlink(entry.path)
+            except OSError:
+                pass
+    return found
+
+
+def _speaks_for(owner: int, pid: int) -> bool:
+    """A user vouches for their own processes only; root for any."""
+    return owner == 0 or real_uid(pid) == owner
 
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -165,11 +247,12 @@ def _alive(pid: int, create_time: float, boot: float | None = None) -> bool:
         return False
 
 
-def _parse_holding(path: str) -> tuple[SimHolding, float] | None:
+def _parse_holding(path: str, owner: int | None = None) -> tuple[SimHolding, float] | None:
     """A holding file read defensively: a regular file (never a FIFO that would block the
-    read, never through a symlink), small, with the fields and types hold() writes."""
+    read, never through a symlink), owned by `owner` if given, small, with the fields and
+    types hold() writes."""
     try:
-        record = json.loads(_read_small(path, regular_only=True))
+        record = json.loads(_read_small(path, regular_only=True, owner=owner))
         pid, create_time, gpus, mib = record["pid"], record["create_time"], record["gpus"], record["mib"]
     except (OSError, ValueError, TypeError, KeyError):
         return None
@@ -179,13 +262,17 @@ def _parse_holding(path: str) -> tuple[SimHolding, float] | None:
     return SimHolding(pid, tuple(gpus), mib), float(create_time)
 
 
-def _read_small(path: str, regular_only: bool = False) -> bytes:
+def _read_small(path: str, regular_only: bool = False, owner: int | None = None) -> bytes:
     """One read(2) of a small file: half the cost of open()/json.load on this hot path."""
     flags = os.O_RDONLY | (os.O_NONBLOCK | os.O_NOFOLLOW if regular_only else 0)
     fd = os.open(path, flags)
     try:
-        if regular_only and not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
+        if regular_only or owner is not None:
+            st = os.fstat(fd)
+            if regular_only and not stat.S_ISREG(st.st_mode):
+                raise OSError(f"{path} is not a regular file")
+            if owner is not None and st.st_uid != owner:
+                raise OSError(f"{path} is owned by uid {st.st_uid}, not by its directory's owner {owner}")
         return os.read(fd, 65536)
     finally:
         os.close(fd)

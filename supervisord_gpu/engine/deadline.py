@@ -40,5 +40,5 @@ class StartDeadline:
             return f"not ready within its start_timeout_max of {self.cap_s:g} s"
         if last_progress is None or last_progress < self.started or last_progress + self.stall_s <= self.started + self.timeout_s:
             return f"not ready within its start_timeout of {self.timeout_s:g} s"
-        return (f"no progress for {now - last_progress:.0f} s (start_stall_timeout {self.stall_s:g} s) "
-                f"after {took:.0f} s of start-up")
+        return (f"not ready within its start_timeout of {self.timeout_s:g} s, and no progress for "
+                f"{now - last_progress:.0f} s since (start_stall_timeout {self.stall_s:g} s; {took:.0f} s in all)")

@@ -14,6 +14,7 @@ import asyncio
 import errno
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from pathlib import Path
 from ..errors import OwnershipError
 from .base import OwnershipDriver, ProcessGroup
 from .inotify import Inotify
-from .names import CGROUPFS_ROOT_NAME
+from .names import CGROUPFS_ROOT_NAME, Owner, owner_of_cgroup, unit_of_cgroup
 
 
 def cgroup2_mount() -> Path | None:
@@ -50,6 +51,72 @@ def own_cgroup() -> str:
 def default_root() -> Path | None:
     mount = cgroup2_mount()
     return None if mount is None else mount / CGROUPFS_ROOT_NAME
+
+
+_WRITE_BITS = stat.S_IWGRP | stat.S_IWOTH
+_DIR_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC
+#: the files a delegation (systemd's Delegate=, a `chown` of a cgroup) hands to its user
+_DELEGATED_FILES = ("cgroup.procs", "cgroup.subtree_control", "cgroup.threads")
+
+
+def _root_only_dir(fd: int) -> bool:
+    """A cgroup directory only root could have created, or moved processes into, or below."""
+    st = os.fstat(fd)
+    if st.st_uid != 0 or st.st_mode & _WRITE_BITS:
+        return False
+    for name in _DELEGATED_FILES:
+        try:
+            f = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # cgroup.threads is absent on old kernels
+        if f.st_uid != 0 or f.st_mode & _WRITE_BITS:
+            return False
+    return True
+
+
+def root_only(cgroup: str, mount: Path | None = None) -> bool:
+    """Whether only root could have put a process in `cgroup` (a path as /proc/PID/cgroup shows it).
+
+    A name proves nothing: inside a subtree delegated to a user (a cgroup chowned to them,
+    or systemd's Delegate=) they can create `supervisord-gpu/pd-1p1d/router` and join it.
+    So every cgroup from the mount's root down to this one must be root's, writable only by
+    root, and not delegated (its cgroup.procs root's): then a user could neither have made it
+    nor moved a process into it. Checked by descriptor, one component at a time, never through
+    a symlink. False when it cannot be verified (gone, another hierarchy, no cgroup2 mount).
+    """
+    mount = mount or cgroup2_mount()
+    parts = [p for p in cgroup.split("/") if p]
+    if mount is None or any(p in (".", "..") for p in parts):
+        return False
+    fds: list[int] = []
+    try:
+        fds.append(os.open(mount, _DIR_FLAGS))
+        if not _root_only_dir(fds[-1]):
+            return False
+        for part in parts:
+            fds.append(os.open(part, _DIR_FLAGS, dir_fd=fds[-1]))
+            if not _root_only_dir(fds[-1]):
+                return False
+        return True
+    except OSError:
+        return False
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def verified_owner(cgroup: str | None, mount: Path | None = None) -> Owner | None:
+    """The instance a cgroup belongs to (ownership/names.py), confirmed on disk for cgroupfs paths.
+
+    A systemd path is ours by its place in the system manager's tree (names.py: slices only
+    above it); a cgroupfs path has no unit above it to tell, so only `root_only` decides.
+    """
+    owner = owner_of_cgroup(cgroup) if cgroup else None
+    if owner is None or cgroup is None:
+        return None
+    if unit_of_cgroup(cgroup) is None and not root_only(cgroup, mount):
+        return None
+    return owner
 
 
 def writable(root: Path) -> bool:
@@ -199,6 +266,21 @@ class CgroupfsDriver(OwnershipDriver):
         self.root = Path(root)
         if not writable(self.root):
             raise OwnershipError(f"cannot create cgroups under {self.root} (need root and a writable cgroup v2)")
+        self._refuse_delegated_root()
+
+    def _refuse_delegated_root(self) -> None:
+        """As root, a cgroup root inside a user's delegated subtree is refused: whatever we would
+        find there (leftovers to kill, groups to reuse) that user could have planted."""
+        if os.geteuid() != 0:
+            return
+        try:
+            rel = "/" + str(self.root.resolve().relative_to(self.mount.resolve()))  # type: ignore[union-attr]
+        except ValueError:
+            raise OwnershipError(f"cgroup root {self.root} is not under the cgroup2 mount {self.mount}") from None
+        if not root_only(rel, self.mount):
+            raise OwnershipError(f"cgroup root {self.root}, or a cgroup above it, is not root's alone (owned by, "
+                                 "writable by or delegated to another user): refusing to create, kill or adopt "
+                                 "processes there")
 
     def _instance_dir(self, instance: str) -> Path:
         return self.root / instance
