@@ -1,28 +1,46 @@
-"""A real etcd (Debian's etcd-server) for one test: its own data dir and free ports, stopped after."""
+"""A real etcd (Debian's etcd-server) for one test: its own data dir and free ports, stopped after.
+With `tls` (tests/test_cluster_tls.py makes the files), clients must come over TLS with a
+certificate the CA signed (--client-cert-auth), as a deployment's etcd should."""
 
 from __future__ import annotations
 
 import shutil
 import signal
 import subprocess
+import ssl
 import time
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 from support import free_ports
 
 
+class Tls(NamedTuple):
+    """etcd's server certificate and key, the CA clients must be signed by, and one client's
+    certificate and key (for the health check and the test's own admin requests)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+    client_cert: Path
+    client_key: Path
+
+
 class EtcdServer:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, tls: Tls | None = None) -> None:
         binary = shutil.which("etcd") or "/usr/bin/etcd"
         client, peer = free_ports(2)
-        self.url = f"http://127.0.0.1:{client}"
+        self.tls = tls
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{client}"
         self.log = tmp / "etcd.log"
+        secure = ["--cert-file", str(tls.cert), "--key-file", str(tls.key), "--trusted-ca-file", str(tls.ca),
+                  "--client-cert-auth"] if tls else []
         self.proc = subprocess.Popen(
             [binary, "--name", "test", "--data-dir", str(tmp / "etcd-data"), "--listen-client-urls", self.url,
              "--advertise-client-urls", self.url, "--listen-peer-urls", f"http://127.0.0.1:{peer}",
              "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-cluster", f"test=http://127.0.0.1:{peer}"],
+             "--initial-cluster", f"test=http://127.0.0.1:{peer}", *secure],
             stdout=self.log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 30
         while not self.healthy():
@@ -30,9 +48,16 @@ class EtcdServer:
                 raise RuntimeError(f"etcd did not come up: {self.log.read_text()[-2000:]}")
             time.sleep(0.1)
 
+    def ssl_context(self) -> ssl.SSLContext | None:
+        if self.tls is None:
+            return None
+        context = ssl.create_default_context(cafile=str(self.tls.ca))
+        context.load_cert_chain(str(self.tls.client_cert), str(self.tls.client_key))
+        return context
+
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+            with urllib.request.urlopen(self.url + "/health", timeout=1, context=self.ssl_context()) as r:
                 return r.status == 200
         except OSError:
             return False

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from etcd_server import EtcdServer
+from supervisord_gpu.cluster.plan import ClusterPlan
 from supervisord_gpu.cluster.store import ClusterStore, ClusterUnavailable, NodeLost, StepFailed
 from supervisord_gpu.config.model import ClusterConfig
 
@@ -30,9 +31,10 @@ def test_the_lock_names_its_holder_and_frees_itself_when_the_holder_dies(etcd):
     lease_a, lease_b = a.grant(), b.grant()
     me = {"node": "a", "to": "tp", "pid": 1}
     assert a.acquire(lease_a, me) is None
-    assert b.acquire(lease_b, {"node": "b", "to": "pd", "pid": 2}) == me  # the loser is told who won
+    held = b.acquire(lease_b, {"node": "b", "to": "pd", "pid": 2})  # the loser is told who won
+    assert held is not None and (held.node, held.to, held.pid, held.lease) == ("a", "tp", 1, lease_a)
     b.release({"node": "b", "to": "pd", "pid": 2})  # not its lock: nothing happens
-    assert a.holder() == me
+    assert a.holder() == held
     time.sleep(3.5)  # a stops renewing (dead): its lease, and the lock with it, expire
     assert b.holder() is None and b.acquire(lease_b := b.grant(), {"node": "b"}) is None
     b.release({"node": "b"})
@@ -114,7 +116,7 @@ def test_a_step_settles_when_every_node_reported_and_a_failure_names_node_and_re
     with pytest.raises(StepFailed, match="step 2 failed on node 'b': GPU 0 held by pid 4242"):
         s.wait_step("t2", 2, ("a", "b"), time.monotonic() + 5)
     s.put_plan("t2", {"target": "tp", "steps": []}, lease)
-    assert s.current() == ("t2", {"target": "tp", "steps": []})
+    assert s.current() == ("t2", ClusterPlan("tp", (), ()))
 
 
 def test_etcd_out_of_reach_is_one_clear_error_naming_it(etcd):

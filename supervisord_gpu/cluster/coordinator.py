@@ -32,6 +32,7 @@ from ..config.model import DaemonConfig, Profile
 from ..errors import PreconditionError, StartError, SupervisorError, TakeoverFailed
 from .gate import ClusterGate, in_worker
 from .plan import ClusterPlan, NodeWork, Step, plan_switch
+from .records import LockRecord
 from .store import ClusterStore, NodeLost, StepFailed
 
 STOP_STEP_DEADLINE_S = 900.0
@@ -43,20 +44,20 @@ async def prepare_cluster_start(part: Profile, cfg: DaemonConfig, inventory: Gpu
                                 say: Callable[[str, int], None], progress: Callable[[str], None],
                                 verify_locally: Callable[[], Any]) -> None:
     store = gate.store
-    holder = await asyncio.to_thread(store.holder)
-    if holder and part.name in holder.get("starting", ()):
-        progress(f"cluster transition to {part.name} (coordinated by node {holder.get('node')}): verifying this node")
+    holder = await asyncio.to_thread(store.holder)  # a genuine lock only: bound to a live lease, well-formed
+    if holder and part.name in holder.starting and await asyncio.to_thread(_plan_agrees, store, holder, part.name,
+                                                                           cfg.cluster.node):
+        progress(f"cluster transition to {part.name} (coordinated by node {holder.node}): verifying this node")
         await verify_locally()
         return
     whole = await asyncio.to_thread(load_profile, cfg, part.name, True)
     tid = "t" + uuid.uuid4().hex[:12]  # never a JSON number
     me = {"to": part.name, "starting": [part.name], "node": cfg.cluster.node, "pid": os.getpid(), "tid": tid}
     while (held := await asyncio.to_thread(store.acquire, gate.lease, me)) is not None:
-        progress(f"waiting for the cluster transition to {held.get('to')} (coordinated by node {held.get('node')})")
+        progress(f"waiting for the cluster transition to {held.to} (coordinated by node {held.node})")
         await asyncio.to_thread(store.watch_once, store.key("lock"), 1.0)
     try:
-        running = [await asyncio.to_thread(load_profile, cfg, name, True)
-                   for name in await asyncio.to_thread(store.running_instances) if name != part.name]
+        running = await asyncio.to_thread(running_profiles, store, cfg, part.name, say)
     except SupervisorError:
         await asyncio.to_thread(store.release, me)
         raise
@@ -85,6 +86,41 @@ async def prepare_cluster_start(part: Profile, cfg: DaemonConfig, inventory: Gpu
         raise (TakeoverFailed(reason) if stopped else PreconditionError(reason)) from None
     gate.transition = Transition(plan, tuple(done), me)
     asyncio.get_running_loop().create_task(_release_when_started(store, plan, tid, me, say, gate.closing))
+
+
+def _plan_agrees(store: ClusterStore, holder: LockRecord, instance: str, node: str) -> bool:
+    """A lock that names a transition with a plan proves it only if that plan is bound to the
+    lock's own lease and starts `instance` on this node; a plan of another lease, or a bad one,
+    means the lock is not what it says (someone wrote it beside a real transition)."""
+    if not holder.tid:
+        return True
+    found = store.plan(holder.tid)
+    if found is None:
+        return not store.exists(store.key("transitions", holder.tid, "plan"))  # no plan yet (or a test's bare lock)
+    plan, lease = found
+    return lease == holder.lease and any(s.action == "start" and any(w.node == node and w.instance == instance
+                                                                     for w in s.work) for s in plan.steps)
+
+
+def running_profiles(store: ClusterStore, cfg: DaemonConfig, starting: str, say: Callable[[str, int], None]) -> list[Profile]:
+    """The whole profiles that run on the cluster now (but `starting`), by their daemons' records.
+    A record of an instance that is no profile spanning nodes here (a stray record, a single-machine
+    name) is named and left out: it can never fail another profile's start. Left out, what really
+    holds GPUs still fails the verify step, naming the holder."""
+    out: list[Profile] = []
+    for name in store.running_instances():
+        if name == starting:
+            continue
+        try:
+            profile = load_profile(cfg, name, True)
+        except SupervisorError as e:
+            say(f"ignoring the process records of {name} in etcd: {str(e).splitlines()[0]}", 4)
+            continue
+        if not profile.is_cluster:
+            say(f"ignoring the process records of {name} in etcd: it does not span nodes", 4)
+            continue
+        out.append(profile)
+    return out
 
 
 @dataclass(frozen=True)

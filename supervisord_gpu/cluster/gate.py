@@ -36,6 +36,7 @@ class ClusterGate:
         self.store, self.profile, self.node, self.say = store, profile, node, say
         #: set by the coordinator (cluster/coordinator.py) when this daemon led the transition
         self.transition: Any = None
+        store.warn = lambda message: say(message, 4)  # a bad record in etcd: one line in the journal
         self.lease = store.grant()  # refuses the start when etcd is out of reach: ClusterUnavailable
         self._stop = threading.Event()
         self.closing = self._stop  # set once the daemon is done: waits in worker threads give up

@@ -64,10 +64,12 @@ class ClusterPlan:
 
     @staticmethod
     def from_json(data: dict) -> ClusterPlan:
-        steps = tuple(Step(s["number"], s["action"], tuple(NodeWork(w["node"], w["instance"], tuple(w["processes"]))
-                                                               for w in s["work"]), s.get("order", ""))
-                      for s in data["steps"])
-        return ClusterPlan(data["target"], tuple(data["stopping"]), steps)
+        """Parsed and checked as every plan read from etcd is (cluster/records.py): BadRecord if it does not fit."""
+        import json
+
+        from .records import parse_plan
+
+        return parse_plan("plan", json.dumps(data))
 
     def render(self) -> str:
         head = f"plan: switch the cluster to {self.target}" + (

@@ -6,47 +6,45 @@ Keys, all under the configured prefix (one etcd can serve several clusters):
   after the TTL by itself, and whoever waits on it is told which node went.
 - `lock`: the cluster-wide transition lock, bound to its holder's lease, so a holder that dies
   frees it after the TTL instead of leaving the cluster locked; created only if absent.
-- `transitions/ID/plan` and `transitions/ID/steps/N/NODE`: the step order, and each node's
-  report of its share of a step (done, or failed with the reason).
+- `current` and `transitions/ID/plan`, `transitions/ID/steps/N/NODE`: the transition under way,
+  its step order, and each node's report of its share of a step (done, or failed with the reason).
+- `parts/INSTANCE/NODE/PROCESS`: each process's state, from the daemon running it (cluster/gate.py).
+
+Every record read is parsed by cluster/records.py into a typed record; one that does not fit is
+named in one line (once per version of the key, through `warn`) and skipped: never a crash,
+never obeyed. A lock counts only when it is genuine: bound to a lease (etcd deletes a key when
+its lease ends, so a key that has one has a live one) and well-formed; any other value at the
+lock's key is no lock, and whoever wants the lock deletes it (only that version of it).
 
 Every etcd failure becomes one ClusterUnavailable naming the endpoint: nothing cross-node starts
 while etcd cannot be reached, and nothing that runs is touched because of it.
+
+The methods are the DCS interface Issue #25 asks for: grant/refresh/revoke, acquire/release,
+announce/publish_process, nodes/process_states/holder/current, put_plan/report, wait/wait_step;
+over an etcd (cluster/etcd.py) or an in-memory KV (cluster/kv.py, for tests and fuzzing).
 """
 
 from __future__ import annotations
 
-import base64
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
-from urllib.parse import urlsplit
 
+from ..config.cluster import NODE_NAME_RE
 from ..config.model import ClusterConfig
 from ..errors import SupervisorError
+from .kv import KV, Entry
+from .plan import ClusterPlan
+from .records import (BadRecord, LockRecord, NodeRecord, ProcessRecord, StepReport, parse_lock, parse_node, parse_plan,
+                      parse_process, parse_report, parse_tid)
 
-ETCD_REQUEST_TIMEOUT_S = 3.0
 WATCH_SLICE_S = 1.0  # a watch is re-armed this often, so an event between read and watch costs at most this
-
-
-def _b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
-
-
-def _lock_record(found: list[bytes]) -> dict[str, Any] | None:
-    """The lock's holder from a get of its key; None when there is none. A value that is not a
-    holder's record (written by something else under our prefix) is named, not a crash."""
-    if not found:
-        return None
-    try:
-        record = json.loads(found[0])
-    except ValueError:
-        record = None
-    if not isinstance(record, dict):
-        return {"to": "(unreadable lock record)", "node": "?", "value": found[0][:200].decode(errors="replace")}
-    return record
+WARNED_KEEP = 4096  # bad records already named (key, revision): each is said once, not on every read
+ACQUIRE_TRIES = 5
 
 
 class ClusterUnavailable(SupervisorError):
@@ -69,29 +67,35 @@ class StepFailed(SupervisorError):
         self.node, self.step = node, step
 
 
-class ClusterStore:
-    """One connection to etcd's v3 JSON gateway (python3-etcd3gw), with our key layout."""
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
 
-    def __init__(self, cfg: ClusterConfig) -> None:
-        if not cfg.etcd:
+
+class ClusterStore:
+    """Our key layout over one KV (etcd's JSON gateway unless `kv` is given), every record typed."""
+
+    def __init__(self, cfg: ClusterConfig, kv: KV | None = None, warn: Callable[[str], None] | None = None) -> None:
+        if not cfg.etcd and kv is None:
             raise ClusterUnavailable("no etcd is configured ([cluster] etcd in supervisord-gpu.toml): "
                                      "a profile that spans nodes cannot change without it")
         self.cfg = cfg
         self.prefix = cfg.prefix.rstrip("/")
-        self.endpoint = cfg.etcd[0]
-        self._client = self._connect(self.endpoint)
+        self.kv: KV = kv if kv is not None else self._connect(cfg)
+        self.endpoint = self.kv.endpoint
+        #: where a bad record is named (the agent's and the daemon's journal; stderr otherwise)
+        self.warn: Callable[[str], None] = warn or _stderr
+        self._warned: dict[tuple[str, int], None] = {}
         self._seen = threading.local()  # the revision of this thread's last read
 
     @staticmethod
-    def _connect(endpoint: str) -> Any:
+    def _connect(cfg: ClusterConfig) -> KV:
         try:
-            from etcd3gw.client import Etcd3Client  # only cluster work pays for requests and etcd3gw
+            import etcd3gw  # noqa: F401  only cluster work pays for requests and etcd3gw
         except ImportError:
             raise ClusterUnavailable("profiles that span nodes need etcd's client: apt install python3-etcd3gw") from None
+        from .etcd import EtcdKV
 
-        url = urlsplit(endpoint)
-        return Etcd3Client(host=url.hostname or "127.0.0.1", port=url.port or 2379, protocol=url.scheme,
-                           timeout=ETCD_REQUEST_TIMEOUT_S, api_path="/v3/")
+        return EtcdKV(cfg)
 
     @contextmanager
     def _talking(self, what: str) -> Iterator[None]:
@@ -106,132 +110,202 @@ class ClusterStore:
     def key(self, *parts: str) -> str:
         return "/".join((self.prefix, *parts))
 
+    def _bad(self, entry: Entry, e: BadRecord) -> None:
+        """Name a bad record once per version of its key."""
+        mark = (entry.key, entry.mod_revision)
+        if mark in self._warned:
+            return
+        if len(self._warned) >= WARNED_KEEP:
+            self._warned.clear()
+        self._warned[mark] = None
+        self.warn(str(e))
+
     # -- leases: a node's life and a lock's holder ---------------------------------------
 
-    def grant(self, ttl_s: int | None = None) -> Any:
+    def grant(self, ttl_s: int | None = None) -> int:
         with self._talking("granting a lease"):
-            return self._client.lease(ttl_s or self.cfg.lease_ttl_s)
+            return self.kv.grant(ttl_s or self.cfg.lease_ttl_s)
 
-    def refresh(self, lease: Any) -> bool:
+    def refresh(self, lease: int) -> bool:
         """Renew; False when etcd says the lease is already gone (we were presumed dead)."""
         with self._talking("renewing our lease"):
-            return int(lease.refresh()) > 0
+            return self.kv.refresh(lease)
 
-    def revoke(self, lease: Any) -> None:
+    def revoke(self, lease: int) -> None:
         with self._talking("revoking our lease"):
-            lease.revoke()
+            self.kv.revoke(lease)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def _entries(self, prefix: str) -> list[Entry]:
+        """Every key under `prefix`; the read's revision is kept (per thread) so that the next
+        watch_once starts right after it: no change is missed in between."""
+        with self._talking(f"reading {prefix}"):
+            revision, found = self.kv.range(prefix, prefix=True)
+        self._seen.revision = revision
+        return found
+
+    def _entry(self, key: str, what: str = "") -> Entry | None:
+        with self._talking(what or f"reading {key}"):
+            _, found = self.kv.range(key)
+        return found[0] if found else None
+
+    def exists(self, key: str) -> bool:
+        return self._entry(key) is not None
+
+    def _parsed(self, prefix: str, parse: Callable[[Entry, str], Any]) -> list[Any]:
+        """parse(entry, the key below `prefix`) of every key under it; bad ones named and skipped."""
+        out = []
+        for entry in self._entries(prefix):
+            try:
+                out.append(parse(entry, entry.key[len(prefix):]))
+            except BadRecord as e:
+                self._bad(entry, e)
+        return out
 
     # -- nodes -----------------------------------------------------------------------------
 
-    def announce(self, node: str, lease: Any, record: dict[str, Any]) -> None:
+    def announce(self, node: str, lease: int, record: dict[str, Any]) -> None:
         with self._talking(f"publishing node {node}"):
-            self._client.put(self.key("nodes", node), json.dumps(record, sort_keys=True), lease=lease)
+            self.kv.put(self.key("nodes", node), json.dumps(record, sort_keys=True), lease=lease)
 
-    def nodes(self) -> dict[str, dict[str, Any]]:
+    def nodes(self) -> dict[str, NodeRecord]:
         """Every node whose agent is alive, with what it last published."""
-        return {k.rsplit("/", 1)[1]: v for k, v in self._prefix(self.key("nodes") + "/").items() if k.count("/") ==
-                self.key("nodes", "x").count("/")}
+        def node(entry: Entry, name: str) -> NodeRecord:
+            if not NODE_NAME_RE.match(name):
+                raise BadRecord(entry.key, "not a node name under nodes/")
+            return parse_node(entry.key, name, entry.value)
+
+        return {n.node: n for n in self._parsed(self.key("nodes") + "/", node)}
 
     # -- process states, for the cluster gate ------------------------------------------------
 
-    def publish_process(self, instance: str, node: str, process: str, record: dict[str, Any], lease: Any) -> None:
+    def publish_process(self, instance: str, node: str, process: str, record: dict[str, Any], lease: int) -> None:
         with self._talking(f"publishing {node}/{process}"):
-            self._client.put(self.key("parts", instance, node, process), json.dumps(record, sort_keys=True), lease=lease)
+            self.kv.put(self.key("parts", instance, node, process), json.dumps(record, sort_keys=True), lease=lease)
+
+    def processes(self, instance: str | None = None) -> list[ProcessRecord]:
+        """What the live daemons published, of `instance` or of every instance."""
+        base = self.key("parts") + "/"
+        prefix = base + (instance + "/" if instance else "")
+        records = self._parsed(prefix, lambda e, _rest: parse_process(e.key, e.key[len(base):], e.value))
+        return [r for r in records if instance is None or r.instance == instance]
 
     def process_states(self, instance: str) -> dict[str, str]:
         """"NODE/PROCESS" -> state of every process a live daemon of `instance` published."""
-        base = self.key("parts", instance) + "/"
-        return {k[len(base):]: str((v or {}).get("state", "")) for k, v in self._prefix(base).items()}
+        return {f"{r.node}/{r.process}": r.state for r in self.processes(instance)}
 
     def running_instances(self) -> list[str]:
         """Instances with a live daemon whose processes are not all stopped, on any node."""
-        base = self.key("parts") + "/"
-        out: dict[str, None] = {}
-        for k, v in self._prefix(base).items():
-            instance = k[len(base):].split("/", 1)[0]
-            if str((v or {}).get("state", "")) not in ("stopped", "failed", ""):
-                out[instance] = None
-        return list(out)
+        return list(dict.fromkeys(r.instance for r in self.processes() if r.state not in ("stopped", "failed")))
 
     def watch_once(self, prefix: str, timeout: float) -> None:
         """Return at the first change under `prefix` since this thread's last read (at once if
         there was one meanwhile), or after `timeout`."""
-        from etcd3gw.exceptions import WatchTimedOut
-
         since = getattr(self._seen, "revision", 0)
         self._seen.revision = 0
         with self._talking(f"watching {prefix}"):
-            try:
-                if since:
-                    self._client.watch_prefix_once(prefix, timeout=timeout, start_revision=since + 1)
-                else:
-                    self._client.watch_prefix_once(prefix, timeout=timeout)
-            except WatchTimedOut:
-                pass
+            self.kv.watch_once(prefix, timeout, since + 1 if since else 0)
 
     # -- the transition lock ---------------------------------------------------------------
 
-    def acquire(self, lease: Any, holder: dict[str, Any]) -> dict[str, Any] | None:
-        """Take the lock for `holder`; None when taken, else the record of whoever holds it."""
-        with self._talking("taking the transition lock"):
-            if self._client.create(self.key("lock"), json.dumps(holder, sort_keys=True), lease=lease):
-                return None
-            found = self._client.get(self.key("lock"))
-        record = _lock_record(found)
-        if record is None:  # its holder's lease expired between the two calls: try once more
-            return self.acquire(lease, holder)
-        return record
+    def _lock(self) -> tuple[Entry | None, LockRecord | None]:
+        """The lock's key and, when it is genuine, its holder. A value without a lease (a lease
+        ends with its holder; one without never would) or that is no holder's record is not
+        a lock: named, and treated as free."""
+        entry = self._entry(self.key("lock"), "reading the transition lock")
+        if entry is None:
+            return None, None
+        try:
+            if not entry.lease:
+                raise BadRecord(entry.key, "bound to no lease (a genuine lock goes with its holder's lease)")
+            return entry, parse_lock(entry.key, entry.value, entry.lease)
+        except BadRecord as e:
+            self._bad(entry, e)
+            return entry, None
 
-    def holder(self) -> dict[str, Any] | None:
-        with self._talking("reading the transition lock"):
-            found = self._client.get(self.key("lock"))
-        return _lock_record(found)
+    def acquire(self, lease: int, holder: dict[str, Any]) -> LockRecord | None:
+        """Take the lock for `holder`; None when taken, else the record of whoever holds it.
+        What is at the key and is no genuine lock is deleted first (that version only)."""
+        value = json.dumps(holder, sort_keys=True)
+        for _ in range(ACQUIRE_TRIES):
+            with self._talking("taking the transition lock"):
+                if self.kv.create(self.key("lock"), value, lease=lease):
+                    return None
+            entry, record = self._lock()
+            if record is not None:
+                return record
+            if entry is not None:  # no genuine lock: free it, unless it changed meanwhile
+                with self._talking("clearing a record that is no lock"):
+                    self.kv.delete_if(entry.key, mod_revision=entry.mod_revision)
+            # else its holder's lease expired between the two calls: try again
+        raise ClusterUnavailable(f"etcd at {self.endpoint}: the transition lock keeps changing; "
+                                 f"gave up after {ACQUIRE_TRIES} tries")
 
-    def release(self, holder: dict[str, Any]) -> None:
+    def holder(self) -> LockRecord | None:
+        """Who holds the lock; None when nobody genuinely does."""
+        return self._lock()[1]
+
+    def release(self, holder: dict[str, Any] | LockRecord) -> None:
         """Drop the lock if it is still `holder`'s (never someone else's that came after): one
         etcd transaction, compare the value and delete, so that no reader ever sees it half-gone."""
-        key = _b64(self.key("lock"))
+        value = holder.raw if isinstance(holder, LockRecord) else json.dumps(holder, sort_keys=True).encode()
         with self._talking("releasing the transition lock"):
-            self._client.transaction({
-                "compare": [{"key": key, "result": "EQUAL", "target": "VALUE",
-                             "value": _b64(json.dumps(holder, sort_keys=True))}],
-                "success": [{"request_delete_range": {"key": key}}],
-                "failure": [],
-            })
+            self.kv.delete_if(self.key("lock"), value=value)
 
     # -- plans and step reports ------------------------------------------------------------
 
-    def put_plan(self, tid: str, plan: dict[str, Any], lease: Any) -> None:
+    def put_plan(self, tid: str, plan: dict[str, Any], lease: int) -> None:
         with self._talking("writing the plan"):
-            self._client.put(self.key("transitions", tid, "plan"), json.dumps(plan), lease=lease)
-            self._client.put(self.key("current"), tid, lease=lease)
+            self.kv.put(self.key("transitions", tid, "plan"), json.dumps(plan), lease=lease)
+            self.kv.put(self.key("current"), tid, lease=lease)
 
-    def current(self) -> tuple[str, dict[str, Any]] | None:
-        """The transition now under way, if any: (id, plan)."""
-        tid = self._prefix(self.key("current")).get(self.key("current"))  # a read the next watch follows on from
-        if not tid:
+    def plan(self, tid: str) -> tuple[ClusterPlan, int] | None:
+        """Transition `tid`'s plan and the lease it is bound to; None when absent or bad (named)."""
+        entry = self._entry(self.key("transitions", tid, "plan"), "reading the current transition")
+        if entry is None:
             return None
-        with self._talking("reading the current transition"):
-            plan = self._client.get(self.key("transitions", str(tid), "plan"))
-        return (str(tid), json.loads(plan[0])) if plan else None
+        try:
+            return parse_plan(entry.key, entry.value), entry.lease
+        except BadRecord as e:
+            self._bad(entry, e)
+            return None
 
-    def report(self, tid: str, step: int, node: str, result: dict[str, Any], lease: Any) -> None:
+    def current(self) -> tuple[str, ClusterPlan] | None:
+        """The transition now under way, if any, with a well-formed plan: (id, plan)."""
+        found = self._entries(self.key("current"))  # a read the next watch follows on from
+        entry = next((e for e in found if e.key == self.key("current")), None)
+        if entry is None:
+            return None
+        try:
+            tid = parse_tid(entry.key, entry.value)
+        except BadRecord as e:
+            self._bad(entry, e)
+            return None
+        plan = self.plan(tid)
+        return (tid, plan[0]) if plan else None
+
+    def report(self, tid: str, step: int, node: str, result: dict[str, Any], lease: int) -> None:
         with self._talking(f"reporting step {step}"):
-            self._client.put(self.key("transitions", tid, "steps", str(step), node), json.dumps(result), lease=lease)
+            self.kv.put(self.key("transitions", tid, "steps", str(step), node), json.dumps(result), lease=lease)
 
-    def reports(self, tid: str, step: int) -> dict[str, dict[str, Any]]:
-        base = self.key("transitions", tid, "steps", str(step)) + "/"
-        return {k[len(base):]: v for k, v in self._prefix(base).items()}
+    def reports(self, tid: str, step: int) -> dict[str, StepReport]:
+        def one(entry: Entry, node: str) -> tuple[str, StepReport]:
+            if not NODE_NAME_RE.match(node):
+                raise BadRecord(entry.key, "not a node name under steps/N/")
+            return node, parse_report(entry.key, entry.value)
+
+        return dict(self._parsed(self.key("transitions", tid, "steps", str(step)) + "/", one))
 
     def wait_step(self, tid: str, step: int, nodes: tuple[str, ...], deadline: float,
-                  aborted: Callable[[], bool] | None = None) -> dict[str, dict[str, Any]]:
+                  aborted: Callable[[], bool] | None = None) -> dict[str, StepReport]:
         """Until every node in `nodes` reported `step`: their reports. A failed report raises
         StepFailed, a node whose lease expired NodeLost, the deadline TimeoutError naming who is late."""
-        def settled() -> dict[str, dict[str, Any]] | None:
+        def settled() -> dict[str, StepReport] | None:
             got = self.reports(tid, step)
             for node, result in got.items():
-                if result.get("state") == "failed":
-                    raise StepFailed(node, step, str(result.get("reason", "no reason given")))
+                if node in nodes and result.state == "failed":
+                    raise StepFailed(node, step, result.reason or "no reason given")
             alive = self.nodes()
             for node in nodes:
                 if node not in got and node not in alive:
@@ -241,23 +315,7 @@ class ClusterStore:
         return self.wait(settled, deadline, late=lambda: [n for n in nodes if n not in self.reports(tid, step)],
                          aborted=aborted)
 
-    # -- reading and waiting ---------------------------------------------------------------
-
-    def _prefix(self, prefix: str) -> dict[str, Any]:
-        """Every key under `prefix` with its JSON value; the read's revision is kept (per thread)
-        so that the next watch_once starts right after it: no change is missed in between."""
-        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
-        with self._talking(f"reading {prefix}"):
-            reply = self._client.post(self._client.get_url("/kv/range"), json={"key": _b64(prefix), "range_end": _b64(end)})
-        self._seen.revision = int(reply.get("header", {}).get("revision", 0))
-        out: dict[str, Any] = {}
-        for kv in reply.get("kvs", []):
-            value = base64.b64decode(kv.get("value", "")).decode()
-            try:
-                out[base64.b64decode(kv["key"]).decode()] = json.loads(value) if value else None
-            except ValueError:
-                out[base64.b64decode(kv["key"]).decode()] = value  # not JSON: the current transition's id
-        return out
+    # -- waiting ---------------------------------------------------------------------------
 
     def wait(self, settled: Callable[[], Any], deadline: float, late: Callable[[], list[str]] | None = None,
              aborted: Callable[[], bool] | None = None) -> Any:

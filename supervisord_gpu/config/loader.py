@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from .model import (
 from ..sglang import timing
 from . import cluster
 from .tables import MAX_PORT, Table, type_name
-from .trust import check_modes
+from .trust import check_modes, read_verified
 
 DEFAULT_CONFIG_DIR = Path("/etc/supervisord-gpu")
 CONFIG_DIR_ENV = "SUPERVISORD_GPU_CONFIG_DIR"
@@ -94,12 +95,12 @@ def resolve_config_dir(cli_value: str | None = None) -> Path:
 def read_toml(path: Path) -> dict[str, Any]:
     """Parse one TOML file; every way it can be unreadable becomes a ConfigError.
 
-    As root, a file another user could have written is refused before it is read (see
-    config/trust.py): its commands, users and environment would run as root.
+    As root, a file another user could have written is refused (see config/trust.py): its
+    commands, users and environment would run as root. The check and the read use one
+    descriptor, so a symlink swapped in between cannot substitute another file.
     """
     try:
-        check_modes(path)
-        data = path.read_bytes()
+        data = read_verified(path)
     except ConfigError:
         raise
     except IsADirectoryError:
@@ -129,10 +130,8 @@ def read_toml(path: Path) -> dict[str, Any]:
 def load_daemon_config(config_dir: Path | str | None = None) -> DaemonConfig:
     cdir = resolve_config_dir(str(config_dir) if config_dir else None)
     path = cdir / DAEMON_FILE
-    check_modes(cdir)
+    _check_config_dir(cdir)
     if not path.exists():
-        if not cdir.is_dir():
-            raise ConfigError(cdir, "", "config directory does not exist (use --config-dir or SUPERVISORD_GPU_CONFIG_DIR)")
         return DaemonConfig(path=None, config_dir=cdir, cluster=_cluster_config(Table(cdir, "cluster", {})))
     top = Table(path, "", read_toml(path))
 
@@ -209,6 +208,36 @@ def load_daemon_config(config_dir: Path | str | None = None) -> DaemonConfig:
     )
 
 
+def _check_config_dir(cdir: Path) -> None:
+    """The config directory must be one (and, as root, root's alone: config/trust.py).
+
+    It comes from the command line or the environment, so anything can be in it: a path
+    too long for the kernel, bytes that are not UTF-8, a file. Each is one line naming the
+    path (exit 2), never a traceback."""
+    shown = display_path(cdir)
+    try:
+        check_modes(cdir)
+        st = os.stat(cdir)
+    except FileNotFoundError:
+        raise ConfigError(shown, "", "config directory does not exist (use --config-dir or SUPERVISORD_GPU_CONFIG_DIR)") from None
+    except OSError as e:
+        raise ConfigError(shown, "", f"cannot be used as the config directory ({e.strerror or e})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(shown, "", "is not a directory (--config-dir names the directory holding supervisord-gpu.toml)")
+
+
+#: how much of a path an error shows: enough to recognise it, one readable line
+DISPLAY_PATH_CHARS = 120
+
+
+def display_path(path: Path | str) -> str:
+    """A path for a message: bytes that are not UTF-8 as \\xNN, a very long one cut and its length said."""
+    text = os.fsencode(path).decode("utf-8", "backslashreplace")
+    if len(text) <= DISPLAY_PATH_CHARS:
+        return text
+    return f"{text[:DISPLAY_PATH_CHARS]}… ({len(text)} characters)"
+
+
 def _cluster_config(c: Table) -> ClusterConfig:
     """[cluster]: node defaults to this machine's host name (its first label, as `hostname -s`)."""
     node = c.str("node", None)
@@ -227,8 +256,24 @@ def _cluster_config(c: Table) -> ClusterConfig:
     if not re.match(r"^(/[A-Za-z0-9_.-]+)+\Z", prefix):
         raise c.error("prefix", f"must be a key path like \"/supervisord-gpu\", not {prefix!r}")
     ttl = c.int("lease_ttl", 10, lo=2, hi=3600)
+    files: dict[str, str | None] = {}
+    for key in ("cacert", "cert", "key", "password_file"):
+        path = c.str(key, None)
+        if path is not None and not path.startswith("/"):
+            raise c.error(key, f"must be an absolute path, not {path!r}")
+        files[key] = path
+    user = c.str("user", None)
+    if user is not None and not re.match(r"^[A-Za-z0-9_.@-]{1,64}\Z", user):
+        raise c.error("user", f"must be an etcd user name (letters, digits, '_.@-'), not {user!r}")
+    if (files["cert"] is None) != (files["key"] is None):
+        raise c.error("cert" if files["cert"] is None else "key", "cert and key go together (etcd's client certificate and its key)")
+    if (user is None) != (files["password_file"] is None):
+        raise c.error("user" if user is None else "password_file", "user and password_file go together (etcd's authentication)")
+    if (files["cacert"] or files["cert"]) and any(not e.startswith("https://") for e in etcd):
+        raise c.error("etcd", "must be https:// URLs when cacert or cert is set")
     c.finish()
-    return ClusterConfig(node=node, etcd=tuple(etcd), prefix=prefix, lease_ttl_s=ttl)
+    return ClusterConfig(node=node, etcd=tuple(etcd), prefix=prefix, lease_ttl_s=ttl, cacert=files["cacert"],
+                         cert=files["cert"], key=files["key"], user=user, password_file=files["password_file"])
 
 
 def _nonempty_str(path: Path):  # type: ignore[no-untyped-def]
@@ -651,8 +696,13 @@ def _check_gpus(path: Path, specs: list[ProcessSpec]) -> None:
 
 
 def _hosts_overlap(a: str, b: str) -> bool:
-    wild = ("0.0.0.0", "::", "")
-    return a == b or a in wild or b in wild
+    """Whether two listen addresses of one port may collide: equal, a wildcard, or both
+    loopback (`localhost` is 127.0.0.1 or ::1 as /etc/hosts says; any two spellings of
+    loopback on one port are refused rather than left to that)."""
+    from ..checks.ports import is_loopback
+
+    wild = ("0.0.0.0", "::", "", "*")  # "*" binds 0.0.0.0, as checks/ports.py resolves it
+    return a == b or a in wild or b in wild or (is_loopback(a) and is_loopback(b))
 
 
 def _check_ports(path: Path, specs: list[ProcessSpec]) -> None:

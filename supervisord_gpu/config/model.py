@@ -279,6 +279,15 @@ class ClusterConfig:
     prefix: str = "/supervisord-gpu"
     #: a node whose agent stops renewing its lease for this long is gone, and so are its claims
     lease_ttl_s: int = 10
+    #: TLS, as Patroni's etcd3 settings: the CA that signed etcd's certificate, and this node's
+    #: client certificate and key (etcd's --client-cert-auth); files root's alone (cluster/credentials.py)
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    #: etcd authentication: the user nodes write as (a role with read/write under `prefix` only,
+    #: cluster/etcd.py), its password in a file (first line) that others cannot read
+    user: str | None = None
+    password_file: str | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,180 @@
+"""etcd's v3 JSON gateway (python3-etcd3gw) as the cluster's KV (cluster/kv.py), as Patroni uses it:
+TLS with the cluster's CA, a client certificate, and etcd's own authentication.
+
+Why all three: etcd is where orders for root come from (a plan makes each node's root agent stop
+and start units). Without TLS client certificates (`--client-cert-auth` on etcd) anyone who
+reaches the client port writes plans; without etcd authentication every holder of any
+certificate the CA signed may write anything. With both, only a node, authenticated as the etcd
+user of `[cluster] user` (its password in `password_file`), writes, and only under our prefix.
+
+The etcd role the nodes need (one user, e.g. `gpusup`, with one role):
+
+    etcdctl role add gpusup
+    etcdctl role grant-permission gpusup --prefix=true readwrite /supervisord-gpu/
+    etcdctl user add gpusup            # the password goes to password_file on every node
+    etcdctl user grant-role gpusup gpusup
+    etcdctl user add root && etcdctl auth enable   # root: for the operator, never on a node
+
+Read and write under `PREFIX/` only: nodes, lock, current, transitions, parts; leases need no
+key permission. Revoking a lease needs write permission on the keys bound to it, which are ours.
+
+Certificates: each node's client certificate (signed by the cluster's CA, extended key usage
+clientAuth) must have no CommonName (put the node in O/OU and a SAN): with authentication on,
+etcd's JSON gateway refuses a client certificate with a CN ("CommonName of client sending a
+request against gateway will be ignored"), since it cannot pass it on as the user. The user is
+always the token's. A certificate without a token can still grant a lease (etcd checks no
+permission for that), and reads and writes nothing.
+
+The token from /v3/auth/authenticate goes in the Authorization header of every request; a token
+etcd no longer knows (its TTL passed, etcd restarted) is renewed once, and the request repeated.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..config.model import ClusterConfig
+from .credentials import checked, read_password
+from .kv import Entry
+
+ETCD_REQUEST_TIMEOUT_S = 3.0
+
+
+def _b64(data: str | bytes) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def _unb64(text: Any) -> bytes:
+    return base64.b64decode(text) if isinstance(text, str) else b""
+
+
+def _session(base: str, tls: tuple[str | None, str | None, str | None], login: tuple[str, str] | None,
+             timeout: float) -> Any:
+    """A requests session for etcd: our CA and client certificate on every request (passed per
+    request: requests lets REQUESTS_CA_BUNDLE in the environment override a session's own CA),
+    and, with a `login` (user, password), etcd's token in the Authorization header."""
+    import requests
+
+    ca, cert, key = tls
+
+    class EtcdSession(requests.Session):
+        def __init__(self) -> None:
+            super().__init__()
+            self._lock = threading.Lock()
+            self._token = ""
+
+        def _tls(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+            if ca:
+                kwargs["verify"] = ca
+            if cert and key:
+                kwargs["cert"] = (cert, key)
+            return kwargs
+
+        def authenticate(self, stale: str) -> None:
+            assert login is not None
+            with self._lock:
+                if self._token != stale:
+                    return  # another thread renewed it meanwhile
+                r = super().request("POST", base + "auth/authenticate", **self._tls(
+                    {"json": {"name": login[0], "password": login[1]}, "timeout": timeout}))
+                if r.status_code != 200:
+                    raise PermissionError(f"etcd refused user {login[0]!r}: {_message(r)}")
+                self._token = str(r.json().get("token", ""))
+
+        def request(self, method: Any, url: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+            kwargs = self._tls(kwargs)
+            if login is None:
+                return super().request(method, url, **kwargs)
+            if not self._token:
+                self.authenticate("")
+            headers = dict(kwargs.pop("headers", None) or {})
+            headers["Authorization"] = sent = self._token
+            r = super().request(method, url, headers=headers, **kwargs)
+            if r.status_code == 401 or (r.status_code != 200 and b"invalid auth token" in r.content[:1000]):
+                self.authenticate(sent)
+                headers["Authorization"] = self._token
+                r = super().request(method, url, headers=headers, **kwargs)
+            return r
+
+    return EtcdSession()
+
+
+def _message(r: Any) -> str:
+    try:
+        return str(r.json().get("error") or r.json().get("message") or r.text)[:200]
+    except ValueError:
+        return r.text[:200]
+
+
+class EtcdKV:
+    """One etcd endpoint through its JSON gateway; raises etcd3gw's and requests' errors (the
+    store turns each into one ClusterUnavailable) and PermissionError for a refused login."""
+
+    def __init__(self, cfg: ClusterConfig) -> None:
+        from etcd3gw.client import Etcd3Client  # only cluster work pays for requests and etcd3gw
+
+        self.endpoint = cfg.etcd[0]
+        url = urlsplit(self.endpoint)
+        ca = checked(cfg.cacert, "cacert", secret=False) if cfg.cacert else None
+        cert = checked(cfg.cert, "cert", secret=False) if cfg.cert else None
+        key = checked(cfg.key, "key", secret=True) if cfg.key else None
+        host = url.hostname or "127.0.0.1"
+        base = f"{url.scheme}://{'[' + host + ']' if ':' in host else host}:{url.port or 2379}/v3/"
+        login = (cfg.user, read_password(cfg.password_file or "")) if cfg.user else None
+        session = _session(base, (ca, cert, key), login, ETCD_REQUEST_TIMEOUT_S)
+        self.client = Etcd3Client(host=host, port=url.port or 2379, protocol=url.scheme, timeout=ETCD_REQUEST_TIMEOUT_S,
+                                  api_path="/v3/", session=session)
+
+    def _lease(self, lease: int) -> Any:
+        from etcd3gw.lease import Lease
+
+        return Lease(lease, client=self.client) if lease else None
+
+    def grant(self, ttl_s: int) -> int:
+        return int(self.client.lease(ttl_s).id)
+
+    def refresh(self, lease: int) -> bool:
+        return int(self._lease(lease).refresh()) > 0
+
+    def revoke(self, lease: int) -> None:
+        self._lease(lease).revoke()
+
+    def put(self, key: str, value: str, lease: int = 0) -> None:
+        self.client.put(key, value, lease=self._lease(lease))
+
+    def create(self, key: str, value: str, lease: int = 0) -> bool:
+        return bool(self.client.create(key, value, lease=self._lease(lease)))
+
+    def range(self, key: str, prefix: bool = False) -> tuple[int, list[Entry]]:
+        body = {"key": _b64(key)}
+        if prefix:
+            body["range_end"] = _b64(key[:-1] + chr(ord(key[-1]) + 1))
+        reply = self.client.post(self.client.get_url("/kv/range"), json=body)
+        out = [Entry(_unb64(kv.get("key")).decode(errors="replace"), _unb64(kv.get("value", "")),
+                     int(kv.get("lease", 0) or 0), int(kv.get("mod_revision", 0) or 0))
+               for kv in reply.get("kvs", []) if isinstance(kv, dict)]
+        return int(reply.get("header", {}).get("revision", 0)), out
+
+    def delete_if(self, key: str, value: bytes | None = None, mod_revision: int | None = None) -> bool:
+        compare: list[dict[str, Any]] = []
+        if value is not None:
+            compare.append({"key": _b64(key), "result": "EQUAL", "target": "VALUE", "value": _b64(value)})
+        if mod_revision is not None:
+            compare.append({"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": mod_revision})
+        reply = self.client.transaction({"compare": compare, "success": [{"request_delete_range": {"key": _b64(key)}}],
+                                         "failure": []})
+        return bool(reply.get("succeeded", False))
+
+    def watch_once(self, prefix: str, timeout: float, start_revision: int = 0) -> None:
+        from etcd3gw.exceptions import WatchTimedOut
+
+        try:
+            if start_revision:
+                self.client.watch_prefix_once(prefix, timeout=timeout, start_revision=start_revision)
+            else:
+                self.client.watch_prefix_once(prefix, timeout=timeout)
+        except WatchTimedOut:
+            pass

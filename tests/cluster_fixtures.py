@@ -1,0 +1,105 @@
+"""What the cluster's record tests share: a node's config with profiles (two spanning nodes a and
+b, one single-machine), an in-memory store, and units that only record what they were told."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from supervisord_gpu.cluster.kv import MemoryKV
+from supervisord_gpu.cluster.store import ClusterStore
+from supervisord_gpu.config.loader import load_daemon_config
+from supervisord_gpu.config.model import DaemonConfig
+
+NODES = """
+[nodes.a]
+address = "10.9.0.1"
+[nodes.b]
+address = "10.9.0.2"
+"""
+
+PROFILES = {
+    "pd": NODES + """
+[servers.prefill]
+node = "a"
+role = "prefill"
+host = "0.0.0.0"
+gpus = [0, 1]
+port = 31000
+model_path = "/m"
+[servers.decode]
+node = "b"
+role = "decode"
+host = "0.0.0.0"
+gpus = [0, 1]
+port = 31001
+model_path = "/m"
+[router]
+node = "a"
+mode = "pd"
+port = 31002
+[router.options]
+prometheus-port = 31009
+""",
+    "tp": NODES + """
+[servers.big]
+nodes = ["a", "b"]
+dist_init_port = 31100
+host = "0.0.0.0"
+gpus = [0, 1, 2, 3]
+port = 31000
+model_path = "/m"
+[servers.big.options]
+tp-size = 8
+[router]
+node = "a"
+port = 31001
+[router.options]
+prometheus-port = 31009
+""",
+    "solo": """
+[servers.main]
+gpus = [0]
+port = 32000
+model_path = "/m"
+""",
+}
+CLUSTER_PROFILES = ("pd", "tp")
+
+
+def node_config(tmp: Path, node: str = "a", etcd: str = "http://127.0.0.1:9") -> DaemonConfig:
+    (tmp / "profiles").mkdir(parents=True, exist_ok=True)
+    (tmp / "supervisord-gpu.toml").write_text(
+        f'[daemon]\ndefault_user = "root"\n[gpus]\nbackend = "simulated"\nwait_idle_timeout = 1\n'
+        f'[cluster]\nnode = "{node}"\netcd = ["{etcd}"]\nprefix = "/c"\nlease_ttl = 30\n')
+    for name, text in PROFILES.items():
+        (tmp / "profiles" / f"{name}.toml").write_text(textwrap.dedent(text))
+    return load_daemon_config(tmp)
+
+
+def memory_store(cfg: DaemonConfig, kv: MemoryKV | None = None, said: list[str] | None = None) -> ClusterStore:
+    return ClusterStore(cfg.cluster, kv or MemoryKV(), warn=(said.append if said is not None else lambda _m: None))
+
+
+class FakeUnits:
+    """This node's dsv4@ units as the agent sees them: every order recorded, none carried out."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def stop(self, instance: str) -> str:
+        self.calls.append(("stop", instance))
+        return ""
+
+    def start(self, instance: str) -> str:
+        self.calls.append(("start", instance))
+        return ""
+
+    def states(self) -> dict[str, str]:
+        return {}
+
+
+class NoGpus:
+    def snapshot(self) -> list[Any]:
+        return []
