@@ -42,6 +42,8 @@ class RunOptions:
     bus: str = "auto"
     #: True when a SIGTERM came before the daemon's handlers were installed (cli/daemon.py)
     stopped_early: Callable[[], bool] = lambda: False
+    #: our own dsv4@NAME.service when run as it (systemd/restarts.py: the crash-loop limit)
+    own_unit: Any = None
 
 
 def build_instance(cfg: DaemonConfig, profile: Profile, opts: RunOptions):  # type: ignore[no-untyped-def]
@@ -83,6 +85,11 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
         raise
     notifier.attach(instance)
     instance.listeners.extend(opts.listeners)
+    if opts.own_unit is not None:  # ready long enough: earlier crashes stop counting (systemd/restarts.py)
+        from .systemd.restarts import ForgetWhenHealthy
+
+        instance.listeners.append(ForgetWhenHealthy(
+            opts.own_unit, loop, lambda message, priority: sink.event(message, priority, GPUSUP_EVENT="restart-limit")).on_event)
     sink.event(
         f"instance {profile.name}: {len(profile.processes)} process(es), ownership driver {instance.owner.name}"
         + (" (REHEARSAL: stand-in servers, simulated GPUs)" if cfg.rehearsal.enabled else ""),
@@ -180,7 +187,18 @@ def start_bus(cfg: DaemonConfig, profile: Profile, controller: InstanceControlle
 
 def run(profile_name: str, config_dir: str | None, opts: RunOptions) -> int:
     """The daemon's entry point. A config or profile error is also systemd's STATUS= (so that
-    `systemctl status` and `gpusupctl status` say why), then one line and exit 2 (cli/common.py)."""
+    `systemctl status` and `gpusupctl status` say why), then one line and exit 2 (cli/common.py).
+    First of all, the crash-loop limit: systemd restarted us too often since the last start by
+    hand, exit 6 before anything is loaded (systemd/restarts.py)."""
+    try:
+        from .systemd.restarts import check_at_start
+
+        opts.own_unit = check_at_start(profile_name)
+    except SupervisorError as e:
+        early = opts.notifier or Notifier()
+        early.status(f"failed: {e}")
+        early.barrier()
+        raise
     try:
         cfg = effective_config(load_daemon_config(config_dir), opts.rehearsal)
         profile = load_profile(cfg, profile_name)

@@ -307,33 +307,38 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cluster_status(args: argparse.Namespace) -> int:
     """`status --cluster`: what etcd knows: each node's agent, its units, every process's state
-    and the transition under way. etcd out of reach is said, exit 4 (the parts keep running)."""
+    and the transition under way. etcd out of reach is said, exit 4 (the parts keep running).
+    Every record is typed (cluster/records.py): a bad one is named on stderr and left out."""
     from ..cluster.store import ClusterStore
     from ..config.loader import load_daemon_config
+    from ..records import asdict
 
     cfg = load_daemon_config(args.config_dir)
     store = ClusterStore(cfg.cluster)
     nodes, holder, current = store.nodes(), store.holder(), store.current()
-    parts = {name: store.process_states(name) for name in {i for n in nodes.values() for i in (n or {}).get("parts", {})}}
+    by_instance: dict[str, dict[str, str]] = {}
+    for r in store.processes():
+        by_instance.setdefault(r.instance, {})[f"{r.node}/{r.process}"] = r.state
+    shown = {i for n in nodes.values() for i, _ in n.parts}
+    parts = {name: states for name, states in by_instance.items() if name in shown}
     if args.json:
-        print(json.dumps({"etcd": store.endpoint, "nodes": nodes, "processes": parts, "lock": holder,
-                          "transition": current[1] if current else None}, indent=2, default=str))
+        print(json.dumps({"etcd": store.endpoint, "nodes": {n: asdict(r) for n, r in nodes.items()}, "processes": parts,
+                          "lock": holder.to_json() if holder else None,
+                          "transition": current[1].to_json() if current else None}, indent=2, default=str))
         return 0
     print(f"cluster in etcd at {store.endpoint} ({cfg.cluster.prefix}); this node: {cfg.cluster.node}")
-    print(f"transition: {holder.get('to')} (coordinated by node {holder.get('node')})" if holder else "transition: none")
+    print(f"transition: {holder.to} (coordinated by node {holder.node})" if holder else "transition: none")
     for node in sorted(nodes):
-        units = (nodes[node] or {}).get("parts", {})
-        print(f"node {node}: agent pid {(nodes[node] or {}).get('pid')}; units: "
-              + (", ".join(f"dsv4@{i} {s}" for i, s in sorted(units.items())) or "none"))
+        record = nodes[node]
+        print(f"node {node}: agent pid {record.pid}; units: "
+              + (", ".join(f"dsv4@{i} {s}" for i, s in record.parts) or "none"))
         for instance, states in sorted(parts.items()):
             mine = {k.split("/", 1)[1]: s for k, s in states.items() if k.startswith(f"{node}/")}
             if mine:
                 print(f"  {instance}: " + ", ".join(f"{p} {s}" for p, s in sorted(mine.items())))
-        gpus = (nodes[node] or {}).get("gpus", [])
-        if gpus:
-            print("  GPUs: " + ", ".join(g["error"] if "error" in g else
-                                         f"{g['index']} {'idle' if g['idle'] else str(g['in_use_mib']) + ' MiB'}"
-                                         for g in gpus))
+        if record.gpus:
+            print("  GPUs: " + ", ".join(g.error if g.error else f"{g.index} {'idle' if g.idle else str(g.in_use_mib) + ' MiB'}"
+                                         for g in record.gpus))
     return 0
 
 
@@ -355,6 +360,8 @@ def _run_unit_job(verb: str, name: str, wait: bool, timeout: float) -> int:
 
     unit = service_name(name)
     method = {"start": "StartUnit", "stop": "StopUnit", "restart": "RestartUnit"}[verb]
+    if verb in ("start", "restart"):
+        _clear_failed(unit)
     if not wait:
         Systemd().queue(method, unit)
         print(f"{verb} of {unit} queued; follow it with: gpusupctl status {name}")
@@ -368,6 +375,24 @@ def _run_unit_job(verb: str, name: str, wait: bool, timeout: float) -> int:
     waited = f"gave up waiting after {timeout:g} s" if result == "timeout-waiting" else f"job {result}"
     print(f"{unit}: {active} ({waited})" + (f": {why}" if why else ""))
     return 1
+
+
+def _clear_failed(unit: str) -> None:
+    """A start by hand begins afresh: reset-failed a failed unit first (NRestarts, systemd's
+    start rate limit: a unit stopped by either starts again). polkit lets gpusup members do it
+    on dsv4@ units; refused, the start still goes ahead (it may well succeed) and says so."""
+    from ..errors import PermissionDenied
+    from ..systemd.manager import Systemd
+
+    systemd = Systemd()
+    if systemd.active_state(unit) != "failed":
+        return
+    try:
+        systemd.reset_failed_unit(unit)
+    except PermissionDenied as e:
+        print(f"{PROG}: {unit} stays failed ({e}); starting anyway", file=sys.stderr)
+    except LookupError:
+        pass  # collected meanwhile: nothing left to reset
 
 
 def _final_status(unit: str) -> str:

@@ -150,6 +150,37 @@ class Systemd:
         except (LookupError, OperationFailed):
             pass  # not failed, or already collected
 
+    def reset_failed_unit(self, unit: str) -> None:
+        """ResetFailedUnit, its refusal said (PermissionDenied, OperationFailed): polkit's verb
+        "reset-failed". Also on an active service: NRestarts and the start rate limit go to 0."""
+        self.manager("ResetFailedUnit", "s", (unit,))
+
+    def unit_of_pid(self, pid: int) -> str | None:
+        """The object path of the unit `pid` belongs to, None if systemd knows no unit for it."""
+        try:
+            return str(self.manager("GetUnitByPID", "u", (pid,))[0])
+        except LookupError:
+            return None
+        except OperationFailed as e:
+            if "NoUnitForPID" in str(e):
+                return None
+            raise
+
+    def unit_id(self, path: str) -> str:
+        return str(self.get(path, UNIT, "Id"))
+
+    def active_state(self, unit: str) -> str | None:
+        """ActiveState of a loaded unit, None if systemd does not know it now."""
+        path = self.unit_path(unit)
+        return str(self.get(path, UNIT, "ActiveState")) if path else None
+
+    def n_restarts(self, path: str) -> int:
+        """A service's automatic restarts since its last start by hand or reset-failed."""
+        return int(self.get(path, SERVICE, "NRestarts"))
+
+    def start_limit_interval_usec(self, path: str) -> int:
+        return int(self.get(path, UNIT, "StartLimitIntervalUSec"))
+
     def units_named(self, names: Iterable[str]) -> list[tuple[str, str, str, str]]:
         """(name, load state, active state, object path) of exactly these units."""
         rows = self.manager("ListUnitsByNames", "as", (list(names),))[0]
