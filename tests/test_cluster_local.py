@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from etcd_server import EtcdServer, history
+from supervisord_gpu.cluster.plan import ClusterPlan, NodeWork, Step
 from supervisord_gpu.cluster.store import ClusterStore
 from supervisord_gpu.config.model import ClusterConfig
 from support import CgroupSandbox, free_ports, wait_for, write_config
@@ -94,7 +95,11 @@ def ok(url: str) -> bool:
 def test_pd_across_two_nodes_starts_and_stops_in_one_order_through_etcd(tmp_path, cgroups, etcd):
     ports = free_ports(5)
     store = ClusterStore(ClusterConfig(node="t", etcd=(etcd.url,), prefix="/t", lease_ttl_s=30))
-    assert store.acquire(store.grant(), {"to": "pd", "starting": ["pd"], "node": "t", "tid": "t1"}) is None
+    lease = store.grant()
+    assert store.acquire(lease, {"to": "pd", "starting": ["pd"], "node": "t", "tid": "t1"}) is None
+    # the lock's transition and its plan, under the lock's lease, as a coordinator writes them
+    start = Step(1, "start", (NodeWork("a", "pd", ()), NodeWork("b", "pd", ())))
+    store.put_plan("t1", ClusterPlan("pd", (), (start,)).to_json(), lease)
     other = CgroupSandbox()
     a = b = None
     try:

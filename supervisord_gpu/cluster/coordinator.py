@@ -96,7 +96,9 @@ def _plan_agrees(store: ClusterStore, holder: LockRecord, instance: str, node: s
         return True
     found = store.plan(holder.tid)
     if found is None:
-        return not store.exists(store.key("transitions", holder.tid, "plan"))  # no plan yet (or a test's bare lock)
+        # a coordinator writes its plan before any daemon it starts can look: a lock naming a
+        # transition with no plan (or a bad one) is not a transition this daemon is part of
+        return False
     plan, lease = found
     return lease == holder.lease and any(s.action == "start" and any(w.node == node and w.instance == instance
                                                                      for w in s.work) for s in plan.steps)
