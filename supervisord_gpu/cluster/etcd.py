@@ -86,6 +86,9 @@ def _session(base: str, tls: tuple[str | None, str | None, str | None], login: t
 
         def request(self, method: Any, url: Any, **kwargs: Any) -> Any:  # type: ignore[override]
             kwargs = self._tls(kwargs)
+            # Debian 12's etcd3gw (2.0.0) sends no timeout at all: an etcd out of reach would hang
+            # every call. A watch (a stream) waits for events as long as it likes once connected.
+            kwargs.setdefault("timeout", (timeout, None) if kwargs.get("stream") else timeout)
             if login is None:
                 return super().request(method, url, **kwargs)
             if not self._token:
@@ -126,7 +129,10 @@ class EtcdKV:
         login = (cfg.user, read_password(cfg.password_file or "")) if cfg.user else None
         session = _session(base, (ca, cert, key), login, ETCD_REQUEST_TIMEOUT_S)
         self.client = Etcd3Client(host=host, port=url.port or 2379, protocol=url.scheme, timeout=ETCD_REQUEST_TIMEOUT_S,
-                                  api_path="/v3/", session=session)
+                                  api_path="/v3/")
+        # every request and watch goes through client.session: set after construction, since
+        # Debian 12's python3-etcd3gw (2.0.0) takes no session argument (2.7.0 does)
+        self.client.session = session
 
     def _lease(self, lease: int) -> Any:
         from etcd3gw.lease import Lease
