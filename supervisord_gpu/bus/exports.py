@@ -4,6 +4,11 @@ The decorator records the in/out signatures and whether the method is a control 
 `introspection_xml(cls)` builds the XML pydbus publishes. So the bus surface of a class
 reads as a list, and authorization is declared, and enforced, per method where the method
 is defined.
+
+Every string argument is bounded here too, before the method (or its authorization) runs:
+process names are short, and a caller's 1 MiB name must cost the daemon no more than a short
+one once the bus has handed it over (`MAX_STRING_BYTES`; refused with ArgumentTooLong, which
+says how long it was and never echoes it).
 """
 
 from __future__ import annotations
@@ -16,26 +21,81 @@ from xml.sax.saxutils import quoteattr
 
 _ATTR = "_dbus_export"
 
+#: the longest string argument any method takes (UTF-8 bytes): names of processes, instances
+#: and profiles are far shorter; the bus itself would carry up to 128 MiB
+MAX_STRING_BYTES = 256
+#: the longest array argument (items), should a method ever take one
+MAX_ARRAY_ITEMS = 64
 
-def export(in_signature: str = "", out_signature: str = "", control: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Mark a method for the bus. `control=True` also *enforces* it: the method runs only after
+# pydbus turns the exception class's __name__ into the D-Bus error name
+ArgumentTooLong = type("org.supervisordgpu.Error.ArgumentTooLong", (Exception,), {})
+
+
+def export(in_signature: str = "", out_signature: str = "", control: bool = False,
+           too_long: type[Exception] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark a method for the bus. Its string arguments are bounded before anything else runs
+    (`check_arguments`; an oversize one raises `too_long`, ArgumentTooLong unless the method
+    names the error its callers already handle, UnknownProcess for a process name).
+    `control=True` also *enforces* it: the method runs only after
     `self.authorize(dbus_context, name)` has passed, so no control method can forget the check."""
 
     def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
-        if control:
-            name = fn.__name__
+        name = fn.__name__
+        params = [p for p in inspect.signature(fn).parameters if p not in ("self", "dbus_context")]
+        bounded = [(i, pname, t) for i, (pname, t) in enumerate(zip(params, _split(in_signature), strict=False))
+                   if t in _STRING_TYPES or t.startswith("a")]
+        wrapped = fn
+        if bounded or control:
 
             @functools.wraps(fn)  # inspect.signature follows __wrapped__: pydbus still passes dbus_context
-            def authorized(self: Any, *args: Any, dbus_context: Any = None) -> Any:
-                self.authorize(dbus_context, name)
+            def checked(self: Any, *args: Any, dbus_context: Any = None) -> Any:
+                check_arguments(name, bounded, args, too_long or ArgumentTooLong)
+                if control:
+                    self.authorize(dbus_context, name)
                 return fn(self, *args, dbus_context=dbus_context)
 
-            setattr(authorized, _ATTR, (in_signature, out_signature, control))
-            return authorized
-        setattr(fn, _ATTR, (in_signature, out_signature, control))
-        return fn
+            wrapped = checked
+        setattr(wrapped, _ATTR, (in_signature, out_signature, control))
+        return wrapped
 
     return mark
+
+
+_STRING_TYPES = ("s", "o", "g")
+
+
+def check_arguments(method: str, bounded: list[tuple[int, str, str]], args: tuple[Any, ...],
+                    error: type[Exception] = ArgumentTooLong) -> None:
+    """Refuse an oversize argument in time independent of its size: len() of a str is stored,
+    and only a string already short in characters is encoded to count its bytes."""
+    for i, pname, t in bounded:
+        if i >= len(args):
+            continue
+        value = args[i]
+        if t in _STRING_TYPES:
+            _check_string(method, pname, value, error)
+        elif isinstance(value, (list, tuple, dict)):
+            if len(value) > MAX_ARRAY_ITEMS:
+                raise error(f"{method}: argument {pname!r} has {len(value)} items; the limit is {MAX_ARRAY_ITEMS}")
+            items = value.items() if isinstance(value, dict) else ((v,) for v in value)
+            for item in items:
+                for v in item:
+                    if isinstance(v, str):
+                        _check_string(method, pname, v, error)
+
+
+def _check_string(method: str, pname: str, value: Any, error: type[Exception]) -> None:
+    if not isinstance(value, str):
+        return
+    n = len(value)
+    if n > MAX_STRING_BYTES:
+        raise error(f"{method}: argument {pname!r} is {n} characters long; the limit is "
+                              f"{MAX_STRING_BYTES} bytes")
+    if n * 4 > MAX_STRING_BYTES:  # UTF-8: at most 4 bytes a character
+        size = len(value.encode("utf-8", "surrogatepass"))
+        if size > MAX_STRING_BYTES:
+            raise error(f"{method}: argument {pname!r} is {size} bytes long; the limit is "
+                                  f"{MAX_STRING_BYTES} bytes")
 
 
 def _split(sig: str) -> list[str]:

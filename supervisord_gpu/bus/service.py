@@ -6,6 +6,12 @@ snapshot (a JSON string the loop publishes on every event) and hands control cal
 loop with run_coroutine_threadsafe. Control methods are checked by the @export decorator
 itself (root or the control group, by the caller's uid from the bus daemon), so a permissive
 bus policy does not open them and no method can forget the check.
+
+What every local user receives (signals, properties, the replies to callers outside the control
+group) carries our own words only: the first line of a reason (`public_text`), never a child's
+output. A start failure's first line is ours (engine/process.py's `_failure`); the lines below
+it quote the child (its last error, its last lines; SGLang logs its server_args, api_key
+included), for the journal and for privileged readers.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import grp
 import json
+import logging
 import os
 import pwd
 import threading
@@ -34,6 +41,25 @@ if TYPE_CHECKING:
 def _error(name: str) -> type[Exception]:
     # pydbus turns the exception class's __name__ into the D-Bus error name.
     return type(f"org.supervisordgpu.Error.{name}", (Exception,), {})
+
+
+class _Refusals(logging.Filter):
+    """pydbus logs a traceback for every exception a method raises; ours are answers (an unknown
+    name, access denied, an argument too long), not bugs: one unprivileged caller's flood of them
+    would fill the journal, and journald's rate limit would then drop the daemon's own lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return exc is None or not type(exc).__name__.startswith("org.supervisordgpu.Error.")
+
+
+_REFUSALS = _Refusals()
+
+
+def quiet_refusals() -> None:
+    logger = logging.getLogger("pydbus.registration")
+    if _REFUSALS not in logger.filters:
+        logger.addFilter(_REFUSALS)
 
 
 AccessDenied = _error("AccessDenied")
@@ -75,6 +101,38 @@ class Controls:
 
     def job(self, job_id: int) -> Job | None:
         return self._on_loop(lambda: self.controller.jobs.get(job_id))  # type: ignore[no-any-return]
+
+
+#: the longest reason a signal or an unprivileged reply carries (a holder's command line is long)
+PUBLIC_TEXT_LIMIT = 500
+
+
+def public_text(text: str) -> str:
+    """What every local user may read of a reason: its first line (our words), bounded."""
+    if not text:
+        return ""
+    lines = text.splitlines()
+    first = lines[0] if lines else ""
+    return first if len(first) <= PUBLIC_TEXT_LIMIT else first[: PUBLIC_TEXT_LIMIT - 1] + "…"
+
+
+def public_snapshot(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """The status for readers outside the control group: no process's last error line (its own
+    words), and every reason, history detail and transition cut to its first line."""
+    processes = []
+    for p in snapshot.get("processes", []):
+        proc = {k: v for k, v in p.items() if k != "last_error"}
+        if isinstance(proc.get("last_exit"), str):
+            proc["last_exit"] = public_text(proc["last_exit"])
+        if isinstance(proc.get("history"), list):
+            proc["history"] = [dict(h, detail=public_text(h.get("detail") or "")) if isinstance(h, dict) else h
+                               for h in proc["history"]]
+        processes.append(proc)
+    public = dict(snapshot, processes=processes)
+    for key in ("reason", "transition"):
+        if isinstance(public.get(key), str):
+            public[key] = public_text(public[key])
+    return public
 
 
 def bounded(text: str, limit: int = 64) -> str:
@@ -132,16 +190,16 @@ class InstanceObject:
         last error lines (their own output) only for root and the control group."""
         return self.snapshot if self._privileged(dbus_context)[0] else self.public_snapshot
 
-    @export("s", "s")
+    @export("s", "s", too_long=UnknownProcess)
     def GetProcess(self, name: str, dbus_context: Any = None) -> str:
-        for proc in json.loads(self.GetStatus(dbus_context)).get("processes", []):
+        for proc in json.loads(self.GetStatus(dbus_context=dbus_context)).get("processes", []):
             if proc["name"] == name:
                 return json.dumps(proc)
         raise UnknownProcess(f"instance {self._instance} has no process {bounded(name)}")
 
-    @export("s", "s")
+    @export("s", "s", too_long=UnknownProcess)
     def GetHistory(self, name: str, dbus_context: Any = None) -> str:
-        return json.dumps(json.loads(self.GetProcess(name, dbus_context)).get("history", []))
+        return json.dumps(json.loads(self.GetProcess(name, dbus_context=dbus_context)).get("history", []))
 
     @export("", "s")
     def Ping(self) -> str:
@@ -162,7 +220,7 @@ class InstanceObject:
         job = self._controls.submit("restart", self._controls.controller.restart)
         return json.dumps(job.to_json())
 
-    @export("s", "s", control=True)
+    @export("s", "s", control=True, too_long=UnknownProcess)
     def RestartProcess(self, name: str, dbus_context: Any = None) -> str:
         """Restart one process (out of its router first, back in once ready). Returns a job as JSON."""
         if name not in self._controls.process_names():
@@ -176,7 +234,10 @@ class InstanceObject:
         job = self._controls.job(int(job_id))
         if job is None:
             raise UnknownJob(f"instance {self._instance} has no job {int(job_id)} (the last 32 are kept)")
-        return json.dumps(job.to_json())
+        data = job.to_json()
+        if not self._privileged(dbus_context)[0]:
+            data["reason"] = public_text(str(data.get("reason") or ""))
+        return json.dumps(data)
 
     # ---------------------------------------------------------------- properties
 
@@ -211,6 +272,7 @@ class BusService:
         from gi.repository import GLib
 
         self._GLib = GLib
+        quiet_refusals()
         self.link = link if link is not None else system_bus()
         if say is not None:
             self.link.set_say(say)
@@ -275,14 +337,14 @@ class BusService:
     def publish(self, snapshot: dict[str, Any], status_text: str) -> None:
         """Called on the engine's loop: swap in the new snapshots (atomic reference swaps)."""
         self.obj.snapshot = json.dumps(snapshot)
-        public = dict(snapshot, processes=[{k: v for k, v in p.items() if k != "last_error"}
-                                           for p in snapshot.get("processes", [])])
-        self.obj.public_snapshot = json.dumps(public)
-        self.obj.status_text = status_text
+        self.obj.public_snapshot = json.dumps(public_snapshot(snapshot))
+        self.obj.status_text = public_text(status_text)  # a property: every local user reads it
         self.obj.state = snapshot.get("state", "")
 
     def emit(self, process: str, state: str, message: str) -> None:
+        """A StateChanged signal: every local user may receive it, so the message is its first line."""
         instance = self.obj.Name
+        message = public_text(message)
 
         def send() -> bool:
             try:

@@ -5,6 +5,15 @@ router do. A leftover TIME_WAIT connection therefore does not count as "held" (t
 would bind fine), while any listener whose address overlaps does: 127.0.0.1:P blocks a bind
 of 0.0.0.0:P and the other way round, and a dual-stack [::]:P blocks both.
 
+A listener of the other address family holds the port too where our clients could reach it
+instead of us, although our bind would succeed: [::]:P with IPV6_V6ONLY=1 for a server on
+0.0.0.0:P or 127.0.0.1:P, [::1]:P for one on 127.0.0.1:P (and the same the other way round).
+`localhost` resolves to ::1 first on Debian, and a client of `localhost:P` or of a host
+name with an AAAA record then talks to the stranger: our traffic, API keys in its headers
+included. The readiness check (`listener_ownership`) refuses such a listener once the
+servers have loaded; this check names it before anything loads. It costs one more bind of
+the other family's wildcard (IPV6_V6ONLY), and the socket tables only when that bind fails.
+
 When the bind fails, the holder is named from the kernel's socket tables: /proc/net/tcp and
 tcp6 give the sockets on that port (address, state, uid, inode), then /proc/*/fd maps the
 inodes to PIDs. That walk costs about what psutil.net_connections() costs, so it runs only
@@ -97,25 +106,41 @@ def check_ports(specs: Iterable[tuple[str, int, str]]) -> list[PortStatus]:
 
 
 def bind_test(host: str, port: int) -> tuple[bool, str | None]:
-    """(free, error): can a server bind host:port right now? Costs one socket, ~20 µs.
+    """(free, error): can a server bind host:port right now, and is it alone there? Costs
+    two sockets, ~40 µs.
 
-    For a loopback *name* (`localhost`) the other family's loopback is tried too: the name
-    may resolve to 127.0.0.1 or ::1 depending on /etc/hosts, and a client of it reaches
-    whichever listens there, so a stranger on [::1]:P holds `localhost:P` as surely as one
-    on 127.0.0.1:P. An address literal means that address only."""
+    Held also by a listener of the other address family where clients could reach it
+    instead of us (see the module docstring): the name `localhost` may resolve to 127.0.0.1
+    or ::1 depending on /etc/hosts, so a stranger on [::1]:P holds `localhost:P` and
+    `127.0.0.1:P` as surely as one on 127.0.0.1:P, and one on [::]:P (IPV6_V6ONLY) holds
+    0.0.0.0:P."""
     try:
         addr = resolve(host)
     except (OSError, ValueError) as e:
         return False, f"cannot resolve {host!r}: {e}"
     free, error = _bind(addr, host, port)
-    if free and loopback_name(host):
-        other_free, other_error = _bind(_other_loopback(addr), host, port)
-        if not other_free and other_error is None:
-            return False, None  # held there; an unconfigured ::1 (no IPv6) is no reason to refuse
+    if free and _other_family_listens(addr, port):
+        return False, None
     return free, error
 
 
-def _bind(addr: _IPAddress, host: str, port: int) -> tuple[bool, str | None]:
+def _other_family_listens(addr: _IPAddress, port: int) -> bool:
+    """A listener of the other family that clients of addr:port could reach instead of us.
+
+    The other family's wildcard (IPV6_V6ONLY for [::]) binds unless something of that family
+    listens on the port; only then are the socket tables read, to keep what overlaps as
+    `_overlaps_any_family` says (the rule readiness applies). No IPv6 on the machine (the
+    socket or the bind fails otherwise) is no reason to refuse."""
+    want = _unmap(addr)
+    other: _IPAddress = ipaddress.IPv6Address("::") if want.version == 4 else ipaddress.IPv4Address("0.0.0.0")
+    free, error = _bind(other, str(other), port, v6only=True)
+    if free or error is not None:
+        return False
+    return any(state == _LISTEN and inode and _unmap(have).version != want.version and _overlaps_any_family(want, have)
+               for have, sport, state, _uid, inode in _sockets_on_ports({port}) if sport == port)
+
+
+def _bind(addr: _IPAddress, host: str, port: int, v6only: bool = False) -> tuple[bool, str | None]:
     family = socket.AF_INET6 if addr.version == 6 else socket.AF_INET
     try:
         s = socket.socket(family, socket.SOCK_STREAM)
@@ -123,6 +148,8 @@ def _bind(addr: _IPAddress, host: str, port: int) -> tuple[bool, str | None]:
         return False, f"cannot bind: {e.strerror or e}"
     with s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if v6only and family == socket.AF_INET6:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         try:
             s.bind((str(addr), port))
         except OSError as e:
@@ -153,10 +180,6 @@ def is_loopback(host: str) -> bool:
         return _unmap(ipaddress.ip_address(host.strip("[]"))).is_loopback
     except ValueError:
         return False
-
-
-def _other_loopback(addr: _IPAddress) -> _IPAddress:
-    return ipaddress.IPv4Address("127.0.0.1") if _unmap(addr).version == 6 else ipaddress.IPv6Address("::1")
 
 
 def resolve(host: str) -> _IPAddress:
@@ -255,11 +278,13 @@ def _blocking_sockets(wanted: list[tuple[str, int]]) -> dict[tuple[str, int], di
     for (host, port), want in resolved.items():
         listening: dict[int, int] = {}
         other: dict[int, int] = {}
-        overlaps = _overlaps_any_family if loopback_name(host) else _overlaps  # as bind_test
         for addr, sport, state, uid, inode in table:
-            if sport != port or inode == 0 or state == _TIME_WAIT or not overlaps(want, addr):
+            if sport != port or inode == 0 or state == _TIME_WAIT:
                 continue
-            (listening if state == _LISTEN else other)[inode] = uid
+            if state == _LISTEN and _overlaps_any_family(want, addr):  # as bind_test
+                listening[inode] = uid
+            elif _overlaps(want, addr):
+                other[inode] = uid
         out[(host, port)] = listening or other
     return out
 

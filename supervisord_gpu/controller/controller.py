@@ -25,11 +25,11 @@ from ..checks.gpus import GpuInventory
 from ..config.model import DaemonConfig, Profile
 from ..engine.instance import Instance, Preflight
 from ..engine.states import State
-from ..errors import EXIT_GAVE_UP, EXIT_OK, PreconditionError, SupervisorError, TakeoverFailed
+from ..errors import EXIT_GAVE_UP, EXIT_OK, PreconditionError, StartError, SupervisorError, TakeoverFailed
 from . import takeover
 from .lock import TransitionLock
 from .outcome import Job, Outcome
-from .preflight import prepare_start
+from .preflight import prepare_start, requirement_for
 
 #: (message, syslog priority, GPUSUP_EVENT=) to the journal: "transition", "rollback", "job"
 Say = Callable[[str, int, str], None]
@@ -98,9 +98,29 @@ class InstanceController:
     def _from(stopped: list[takeover.Conflict]) -> str:
         return ",".join(c.instance for c in stopped) or "-"
 
+    async def _ports_taken(self) -> list[str]:
+        """After a failed start (everything of ours stopped): the profile's ports someone holds now."""
+        from ..checks.ports import check_ports
+
+        statuses = await asyncio.to_thread(check_ports, requirement_for(self.profile).ports)
+        return [p.problem() or f"port {p.address} not free" for p in statuses if not p.free and not p.error]
+
     async def _after_failed_start(self, error: SupervisorError, stopped: list[takeover.Conflict]) -> Outcome:
-        """The reason, and, after a takeover, the rollback and its outcome: in STATUS= and the journal."""
+        """The reason, and, after a takeover, the rollback and its outcome: in STATUS= and the journal.
+
+        A start that failed after the preflight, once everything of ours is stopped, is checked
+        against the profile's ports once more: one held now was taken while the servers loaded
+        (the router's bind failed, or a stranger answered on its address), and that is the
+        preflight's refusal come late, exit 3, final; not exit 1, which systemd retries by
+        loading every server again into the same taken port."""
         reason = str(error).splitlines()[0]  # the instance has logged the whole error already
+        if isinstance(error, StartError):
+            taken = await self._ports_taken()
+            if taken:
+                error = PreconditionError(f"refusing to start: {'; '.join(taken)} (taken while {self.profile.name} "
+                                          "was starting; what had started is stopped)")
+                reason = str(error)
+                self.say(reason, 3, "transition")
         if self.instance.gate is not None and not isinstance(error, TakeoverFailed):
             from ..cluster.coordinator import roll_back_failed_start
 
