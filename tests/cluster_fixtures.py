@@ -11,53 +11,12 @@ from supervisord_gpu.cluster.kv import MemoryKV
 from supervisord_gpu.cluster.store import ClusterStore
 from supervisord_gpu.config.loader import load_daemon_config
 from supervisord_gpu.config.model import DaemonConfig
+from test_cluster_config import PD_ACROSS, TP_SPANNING
 
-NODES = """
-[nodes.a]
-address = "10.9.0.1"
-[nodes.b]
-address = "10.9.0.2"
-"""
-
+# the same two cluster profiles test_cluster_config.py checks, and one for a single machine
 PROFILES = {
-    "pd": NODES + """
-[servers.prefill]
-node = "a"
-role = "prefill"
-host = "0.0.0.0"
-gpus = [0, 1]
-port = 31000
-model_path = "/m"
-[servers.decode]
-node = "b"
-role = "decode"
-host = "0.0.0.0"
-gpus = [0, 1]
-port = 31001
-model_path = "/m"
-[router]
-node = "a"
-mode = "pd"
-port = 31002
-[router.options]
-prometheus-port = 31009
-""",
-    "tp": NODES + """
-[servers.big]
-nodes = ["a", "b"]
-dist_init_port = 31100
-host = "0.0.0.0"
-gpus = [0, 1, 2, 3]
-port = 31000
-model_path = "/m"
-[servers.big.options]
-tp-size = 8
-[router]
-node = "a"
-port = 31001
-[router.options]
-prometheus-port = 31009
-""",
+    "pd": PD_ACROSS,
+    "tp": TP_SPANNING,
     "solo": """
 [servers.main]
 gpus = [0]
