@@ -98,6 +98,20 @@ def test_a_server_spanning_nodes_gets_one_rank_per_node_with_http_on_rank_0(tmp_
     assert [p.name for p in load_profile(cfg_b, "p").processes] == ["big"]  # the router is a's
 
 
+def test_dp_attention_across_nodes_has_its_dist_init_ports_checked_on_every_node(tmp_path):
+    """SGLang 0.5.23 with dp-attention across nodes also binds dist-init +1..+6 and +13 on each node."""
+    dp = TP_SPANNING.replace("tp-size = 8", "tp-size = 8\nenable-dp-attention = true\ndp-size = 2")
+    extra = {31100 + off for off in (1, 2, 3, 4, 5, 6, 13)}
+    for node in ("a", "b"):
+        cfg = config_dir(tmp_path / node, dp, node)
+        spec = load_profile(cfg, "p").process("big")
+        assert extra <= {x.port for x in spec.listens()}, node
+    taken = dp.replace("port = 31001", "port = 31113")  # the router on a, on dist-init + 13
+    config_dir(tmp_path / "c", taken)
+    with pytest.raises(ConfigError, match="31113"):
+        load_profile(load_daemon_config(tmp_path / "c"), "p")
+
+
 @pytest.mark.parametrize("profile, key, words", [
     (PD_ACROSS.replace('node = "b"\n', ""), "servers.decode.node", "is required"),
     (PD_ACROSS.replace('node = "b"', 'node = "c"'), "servers.decode.node", "no node named 'c' in [nodes] (a, b)"),
