@@ -79,3 +79,74 @@ def test_progress_extends_a_start_to_stall_timeout_after_it_up_to_the_cap():
     assert rule.at(59.0) == 60  # the cap holds, however busy
     assert rule.why(60, 59.0) == "not ready within its start_timeout_max of 60 s"
     assert rule.at(-5.0) == 10  # progress from before this start does not count
+
+
+def test_a_short_start_timeout_is_also_the_quiet_limit_after_progress():
+    rule = StartDeadline(started=0.0, timeout_s=3, stall_s=120, cap_s=14400)  # "fail fast" profiles
+    assert rule.at(1.0) == 4 and rule.at(None) == 3
+    assert rule.why(4, 1.0).startswith("not ready within its start_timeout of 3 s, and no progress for 3 s")
+    assert rule.at(10.0) == 13  # still drawing progress at 10 s: 3 s more
+    assert rule.why(13, 10.0).endswith("no progress for 3 s since (start_timeout 3 s; 13 s in all)")
+
+
+def test_a_scheduler_is_seen_running_by_its_cpu_time_and_a_stopped_one_is_not():
+    """Why CPU time: SGLang answers /server_info one at a time, so a flood of them (or a 401 under
+    --api-key) can delay our probe on a healthy busy server; a working scheduler always spends CPU."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from supervisord_gpu.engine.process import RanSince
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        ran = RanSince(main_pid=os.getpid())
+        assert not ran.since_last([busy.pid])  # the first look only takes note
+        time.sleep(0.3)
+        assert ran.since_last([os.getpid(), busy.pid])
+        os.kill(busy.pid, signal.SIGSTOP)
+        time.sleep(0.05)
+        ran.since_last([busy.pid])
+        time.sleep(0.3)
+        assert not ran.since_last([busy.pid]), "a SIGSTOPped process used CPU"
+    finally:
+        busy.kill()
+        busy.wait()
+
+
+def test_a_strangers_absurd_answers_never_raise_in_the_probes():
+    import asyncio
+    import socket
+    import threading
+
+    from supervisord_gpu.engine.probe import probe, request
+
+    answers = [b"HTTP/1.1 " + b"2" * 5000 + b" OK\r\n\r\n",
+               b"HTTP/1.1 200 OK\r\n\r\n" + b'{"healthy_workers": 1e999}',
+               b"HTTP/1.1 200 OK\r\n\r\n" + b"[" * 100000,
+               b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"f" * 5000 + b"\r\nx\r\n0\r\n\r\n"]
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def serve() -> None:
+        for answer in answers * 2:
+            conn, _ = srv.accept()
+            conn.recv(65536)
+            conn.sendall(answer)
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+
+    async def go() -> list[object]:
+        out: list[object] = []
+        for _ in answers:
+            out.append((await probe("127.0.0.1", port, "/readiness", 5, min_workers=1)).status)
+        for _ in answers:
+            out.append((await request("GET", "127.0.0.1", port, "/workers"))[0])
+        return out
+
+    statuses = asyncio.run(go())
+    srv.close()
+    assert statuses[0] is None and statuses[1] == 503 and statuses[4] is None, statuses

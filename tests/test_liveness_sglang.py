@@ -176,8 +176,9 @@ def test_a_start_past_its_start_timeout_that_keeps_drawing_progress_becomes_read
 
 def test_a_start_silent_for_start_stall_timeout_fails_naming_it(tmp_path, cgroups):
     (port,) = free_ports(1)
-    text = one_server(port, {"SUPERVISORD_GPU_STANDIN_SILENT_S": "60"}, extra="start_timeout = 2")
-    cdir = write_config(tmp_path, {"p": text}, cgroups.root, startup=0.5, daemon_extra="start_stall_timeout = 5")
+    # 8 s of "\r" progress (past its start_timeout of 4 s), then silence
+    text = one_server(port, {"SUPERVISORD_GPU_STANDIN_SILENT_S": "60"}, extra="start_timeout = 4")
+    cdir = write_config(tmp_path, {"p": text}, cgroups.root, startup=8, daemon_extra="start_stall_timeout = 3")
     instance, _ = make_instance(cdir, "p")
 
     async def go() -> tuple[float, str]:
@@ -189,5 +190,5 @@ def test_a_start_silent_for_start_stall_timeout_fails_naming_it(tmp_path, cgroup
         return took, str(e.value)
 
     took, why = asyncio.run(go())
-    assert 5 <= took <= 15, f"failed after {took:.1f} s"
-    assert "server: not ready within its start_timeout of 2 s, and no progress for 5 s since (start_stall_timeout 5 s" in why, why
+    assert 10 <= took <= 16, f"failed after {took:.1f} s"
+    assert "server: not ready within its start_timeout of 4 s, and no progress for 3 s since (start_stall_timeout 3 s" in why, why

@@ -10,7 +10,9 @@ So (the rule systemd's window follows too, systemd/notify.py):
 
 * `start_timeout` bounds a start that shows no progress at all;
 * each progress (a log line, a `\\r` progress-bar update, a phase) moves the deadline to
-  `start_stall_timeout` after it, if that is later;
+  `start_stall_timeout` after it, if that is later; a profile whose `start_timeout` is
+  shorter than that asks for a quick verdict, so then the shorter one counts after each
+  progress too (`min(start_timeout, start_stall_timeout)`);
 * `start_timeout_max` is the hard cap, whatever the progress.
 """
 
@@ -30,15 +32,21 @@ class StartDeadline:
         """The monotonic time the start fails at, given its last progress."""
         soft = self.started + self.timeout_s
         if last_progress is not None and last_progress >= self.started:
-            soft = max(soft, last_progress + self.stall_s)
+            soft = max(soft, last_progress + self.quiet_s)
         return min(self.started + self.cap_s, soft)
+
+    @property
+    def quiet_s(self) -> float:
+        """How long after its last progress a start that is past start_timeout fails."""
+        return min(self.stall_s, self.timeout_s)
 
     def why(self, now: float, last_progress: float | None) -> str:
         """Why a start that reached its deadline failed, in the words of the profile's keys."""
         took = now - self.started
         if took >= self.cap_s - 1e-6:
             return f"not ready within its start_timeout_max of {self.cap_s:g} s"
-        if last_progress is None or last_progress < self.started or last_progress + self.stall_s <= self.started + self.timeout_s:
+        if last_progress is None or last_progress < self.started or last_progress + self.quiet_s <= self.started + self.timeout_s:
             return f"not ready within its start_timeout of {self.timeout_s:g} s"
+        limit = f"start_stall_timeout {self.stall_s:g} s" if self.stall_s <= self.timeout_s else f"start_timeout {self.timeout_s:g} s"
         return (f"not ready within its start_timeout of {self.timeout_s:g} s, and no progress for "
-                f"{now - last_progress:.0f} s since (start_stall_timeout {self.stall_s:g} s; {took:.0f} s in all)")
+                f"{now - last_progress:.0f} s since ({limit}; {took:.0f} s in all)")

@@ -21,10 +21,14 @@ Verdicts:
 
 * the front end gave no answer `failures` probes in a row: killed, within
   `failures x (liveness_interval + liveness_timeout)` (`Probe.liveness_bound_s`);
-* the front end answers but the scheduler has answered nothing for `scheduler_timeout`
-  (default SGLang's own `--watchdog-timeout`, 300 s: the time SGLang itself allows a stuck
-  forward pass before it kills itself, so we are never stricter than SGLang on itself):
-  killed;
+* the front end answers but for `scheduler_timeout` (default SGLang's own
+  `--watchdog-timeout`, 300 s: the time SGLang itself allows a stuck forward pass before it
+  kills itself, so we are never stricter than SGLang on itself) the scheduler has neither
+  answered nor **run**: the server's other processes (schedulers, detokenizer) used no CPU
+  time at all. Both are needed: SGLang answers `/server_info` requests one at a time, in
+  order, so anyone who floods it can delay our one probe past any timeout on a busy server
+  (and with `--api-key` it answers 401); but a scheduler that works spends CPU, and one that
+  is stopped (SIGSTOP) or blocked does not. Killed;
 * anything else is alive. A `/ready` 503 is reported ("not serving: paused, latched by a
   failed /health, or draining") and never acted on.
 
@@ -77,6 +81,7 @@ class LivenessWatch:
         return self.probe.scheduler_path is not None
 
     def scheduler_answered(self, now: float) -> None:
+        """The scheduler answered a round-trip, or was seen running (its CPU time moved)."""
         self.scheduler_seen_at = max(self.scheduler_seen_at, now)
 
     def front(self, status: int | None, now: float) -> Verdict:
@@ -93,6 +98,6 @@ class LivenessWatch:
         if self.asks_scheduler:
             silent = now - self.scheduler_seen_at
             if silent >= p.scheduler_timeout_s:
-                return Verdict(kill=f"its scheduler answered nothing ({p.scheduler_path}) for {silent:.0f} s "
-                                    f"(scheduler_timeout {p.scheduler_timeout_s:g} s)", serving=self.serving)
+                return Verdict(kill=f"its scheduler answered nothing ({p.scheduler_path}) and used no CPU for "
+                                    f"{silent:.0f} s (scheduler_timeout {p.scheduler_timeout_s:g} s)", serving=self.serving)
         return Verdict(serving=self.serving)

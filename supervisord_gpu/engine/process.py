@@ -20,6 +20,7 @@ from ..config.render import Launch
 from ..errors import StartError
 from ..ownership.base import OwnershipDriver, Spawned, SpawnRequest
 from ..ownership.files import PrivateDir, ShmTracker
+from ..ownership.procfs import cpu_ticks
 from ..sglang import exits
 from ..sglang import logs as phases
 from .deadline import StartDeadline
@@ -362,7 +363,7 @@ class ManagedProcess:
                 self.progress_text = ""
                 self._scan_files()
                 self._set_state(State.READY)
-                self._liveness = asyncio.get_running_loop().create_task(self._watch_liveness())
+                self._start_liveness()
                 self.sink.event(
                     f"{self.name}: ready ({spec.probe.path} answered 200 on {host}:{spec.port} after "
                     f"{time.monotonic() - started:.2f} s)",
@@ -400,6 +401,19 @@ class ManagedProcess:
             return None
         return answer.result()
 
+    def _start_liveness(self) -> None:
+        self._liveness = asyncio.get_running_loop().create_task(self._watch_liveness())
+        self._liveness.add_done_callback(self._liveness_ended)
+
+    def _liveness_ended(self, task: asyncio.Task[None]) -> None:
+        """Liveness must not end silently: an error of ours in it is named and the watch goes on."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self.sink.event(f"{self.name}: liveness check failed ({task.exception()!r}); it goes on", 3,
+                        GPUSUP_PROCESS=self.name, GPUSUP_EVENT="liveness-error")
+        if self.state == State.READY and not self._stopping and not self._exited.is_set():
+            self._start_liveness()
+
     async def _watch_liveness(self) -> None:
         """After ready: kill only the dead (engine/liveness.py has what each answer means).
 
@@ -417,8 +431,12 @@ class ManagedProcess:
             assert cfg.scheduler_path is not None
             status, _ = await request("GET", spec.probe_host, spec.port, cfg.scheduler_path,
                                       timeout=cfg.scheduler_timeout_s)
+            # 401/403: the server wants an API key (--api-key); the scheduler cannot be asked,
+            # and only its CPU time speaks for it
             if status == 200:
                 watch.scheduler_answered(time.monotonic())
+
+        ran = RanSince(self.spawned.pid if self.spawned else 0)
 
         try:
             while True:
@@ -426,8 +444,11 @@ class ManagedProcess:
                 if self.state != State.READY or self._exited.is_set() or self.spawned is None:
                     return
                 await asyncio.to_thread(self._scan_files)
-                if watch.asks_scheduler and (asking is None or asking.done()):
-                    asking = asyncio.ensure_future(ask_scheduler())
+                if watch.asks_scheduler:
+                    if ran.since_last(self.spawned.group.pids()):
+                        watch.scheduler_answered(time.monotonic())
+                    if asking is None or asking.done():
+                        asking = asyncio.ensure_future(ask_scheduler())
                 status = (await probe(spec.probe_host, spec.port, cfg.liveness_path, cfg.liveness_timeout_s)).status
                 verdict = watch.front(status, time.monotonic())
                 if spec.kind == "router" and status == 200:
@@ -564,6 +585,21 @@ class ManagedProcess:
     def mark_failed(self, why: str) -> None:
         """The instance gave up on it; `last_exit` keeps saying how it ended."""
         self._set_state(State.FAILED, why)
+
+
+class RanSince:
+    """Whether the processes of a cgroup other than its main one (SGLang's schedulers and
+    detokenizer) used CPU time since the last look: a working scheduler always does."""
+
+    def __init__(self, main_pid: int) -> None:
+        self.main_pid = main_pid
+        self.last: dict[int, int] = {}
+
+    def since_last(self, pids: list[int]) -> bool:
+        now = {pid: t for pid in pids if pid != self.main_pid and (t := cpu_ticks(pid)) is not None}
+        moved = bool(self.last) and any(t > self.last.get(pid, -1) for pid, t in now.items())
+        self.last = now
+        return moved
 
 
 def _ids_of(user: str | None) -> tuple[int, int]:

@@ -101,7 +101,7 @@ class RouterWorkers:
             return None, why
         try:
             data = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None, why
         workers = data.get("workers") if isinstance(data, dict) else None
         if not isinstance(workers, list):
@@ -218,15 +218,18 @@ async def in_flight(server: ProcessSpec) -> int | None:
         try:
             loads = json.loads(body).get("loads")
             return sum(int(x.get("num_running_reqs", 0)) + int(x.get("num_waiting_reqs", 0)) for x in loads)
-        except (ValueError, AttributeError, TypeError):
-            pass
+        except (ValueError, AttributeError, TypeError, ArithmeticError, RecursionError):
+            pass  # a server's answer, shaped by its model code: never a reason to raise
     status, body = await request("GET", server.probe_host, server.port, "/metrics", timeout=API_TIMEOUT_S)
     if status != 200:
         return None
     values = _METRIC.findall(body.decode("utf-8", "replace"))
     if not values:
         return None
-    return int(sum(float(v) for _, v in values))
+    try:
+        return int(sum(float(v) for _, v in values))
+    except (ValueError, ArithmeticError):
+        return None
 
 
 async def wait_drained(server: ProcessSpec, timeout: float) -> int | None:

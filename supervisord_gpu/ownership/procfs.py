@@ -83,3 +83,16 @@ def real_uid(pid: int) -> int | None:
 def is_zombie(pid: int) -> bool:
     stat = read_text(pid, "stat") or ""
     return stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] == "Z" if ")" in stat else False
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """utime + stime of PID in clock ticks (/proc/PID/stat fields 14 and 15), None when gone.
+    The comm field may hold spaces and parentheses: fields are counted after its last ')'."""
+    text = read_text(pid, "stat")
+    if text is None:
+        return None
+    fields = text.rpartition(")")[2].split()
+    try:
+        return int(fields[11]) + int(fields[12])
+    except (IndexError, ValueError):
+        return None

@@ -76,7 +76,10 @@ def is_reason(line: str) -> bool:
 
 # uvicorn's access log ('INFO:     127.0.0.1:47052 - "GET /health HTTP/1.1" 503') and the router's
 # request spans: the echo of requests (our own probes among them), not a sign of start-up progress
-_ACCESS = re.compile(r'"(?:GET|POST|PUT|DELETE|HEAD|PATCH|OPTIONS) \S+ HTTP/\d(?:\.\d)?" \d{3}|http_request\{method=')
+# uvicorn's complaints about what a client sent ("Invalid HTTP request received.") are written by
+# whoever connects: a neighbour sending garbage would otherwise extend a hung start for hours
+_ACCESS = re.compile(r'"(?:GET|POST|PUT|DELETE|HEAD|PATCH|OPTIONS) \S+ HTTP/\d(?:\.\d)?" \d{3}|http_request\{method='
+                     r'|Invalid HTTP request received|Unsupported upgrade request|No supported WebSocket library')
 
 
 def is_access_log(line: str) -> bool:
