@@ -256,6 +256,10 @@ def inject_starting(box, case: Case) -> str:  # type: ignore[no-untyped-def]
         return "killed while starting: unit failed (Result=signal)"
     # the culprit is named in STATUS=, whose last update reached systemd before the exit (BARRIER=1)
     status = show(box, PD, "StatusText")
+    if f == "port-stolen":  # the preflight's refusal come late: exit 3, final, the thief named
+        assert "refusing to start: port" in status and "taken while pd-1p1d was starting" in status, status
+        assert show(box, PD, "ExecMainStatus") == "3"
+        return status
     assert status.startswith(f"failed: {t}: "), status
     assert ("start_timeout" if f == "hang" else "start-up") in status, status
     assert f"{t}: " in box.journal(unit(PD))
