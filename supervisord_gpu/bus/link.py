@@ -37,7 +37,11 @@ def open_connection() -> Any:
     systemd/manager.py does): a connection emits "closed" in the context current at its
     making, and that must be the default one, which outlives the wait.
     """
-    from gi.repository import GLib
+    try:
+        from gi.repository import GLib
+    except ImportError as e:  # a bare GPU box without PyGObject: no bus, said as such (exit 4)
+        raise BusError(f"system bus not reachable: the D-Bus bindings are not installed "
+                       f"(apt install python3-gi): {_first_line(e)}") from None
 
     if GLib.MainContext.get_thread_default() is None:
         return _open_here()
