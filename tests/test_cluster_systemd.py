@@ -387,6 +387,10 @@ def test_a_nodes_daemon_sigkilled_while_its_part_starts_ends_in_the_old_profile_
 def test_etcd_lost_during_a_switch_ends_it_saying_so_and_starts_nothing_new(cluster):
     a, b = cluster.nodes["a"], cluster.nodes["b"]
     cluster.start()
+    # exit 4 is retried (etcd may come back), and the third retry would be the crash-loop
+    # limit's refusal (test_restart_limit_systemd.py): here, the verdict of the switch itself
+    a.write_file("/etc/systemd/system/dsv4@.service.d/test-norestart.conf", "[Service]\nRestart=no\n")
+    a.daemon_reload()
     b.run(["systemd-run", "--unit=holder", "--", PY, "-c",  # b's verification waits on a holder...
            "import time; from supervisord_gpu.checks.simgpu import SimulatedGpus; "
            "SimulatedGpus('/run/supervisord-gpu/simgpu').hold([0], 50000); time.sleep(3600)"])

@@ -97,7 +97,8 @@ def test_a_crash_loop_stops_at_the_limit_and_a_member_recovers_it(ctr):  # type:
     time.sleep(2.5)  # past RestartSec=1, twice: not retried
     assert ctr.is_active("dsv4@crashy") == "failed" and show(ctr, "crashy", "NRestarts") == "3"
     assert max(restarts_scheduled(ctr, "crashy")) == 3
-    whole = "restart limit reached: 3 automatic restarts since the last start by hand; gpusupctl start crashy to try again"
+    whole = ("restart limit reached: 3 automatic restarts since the last start by hand "
+             "(why each failed: journalctl -u dsv4@crashy.service); gpusupctl start crashy to try again")
     assert whole in show(ctr, "crashy", "StatusText")
     out = ctr.run([CTL, "status", "crashy"]).stdout
     assert whole in " ".join(out.split()), out  # wrapped to 80 columns, but all of it

@@ -733,6 +733,8 @@ prometheus-port = {ROUTER_METRICS_PORT}
         entry["checks"], entry["measured"] = check.items, measured
         value = None
         try:
+            if self.args.only and key not in self.args.only and key != "s1_start":
+                raise NotRun("not in --only")
             if self.left() < estimate_s + self.args.reserve:
                 raise NotRun(f"budget: {self.left():.0f} s left, needs ~{estimate_s:.0f} s + {self.args.reserve:.0f} s reserve")
             value = fn(check, measured, *a)
@@ -1534,6 +1536,8 @@ def main() -> int:
     r.add_argument("--code", choices=("tree", "head"), default="tree",
                    help="the supervisor to run: this working tree, or .sgl/code-HEAD.tar.xz (git archive HEAD)")
     r.add_argument("--also-crash", action="store_true", help="group 2: also s5_crash (on the routed instance)")
+    r.add_argument("--only", type=lambda v: set(v.split(",")), default=set(),
+                   help="run only these scenarios (comma-separated keys; s1_start always runs: the rest need its server)")
     r.add_argument("--sgl", default=str(SGL))
     r.add_argument("--unpack", default="/tmp/sgl", help="where the bundles, the model and the code are unpacked")
     r.add_argument("--work", default=None)

@@ -48,8 +48,8 @@ class RestartLimitReached(SupervisorError):
 
 
 def reason(instance: str, n_restarts: int) -> str:
-    return (f"restart limit reached: {n_restarts} automatic restarts since the last start by hand; "
-            f"gpusupctl start {instance} to try again")
+    return (f"restart limit reached: {n_restarts} automatic restarts since the last start by hand "
+            f"(why each failed: journalctl -u {service_name(instance)}); gpusupctl start {instance} to try again")
 
 
 class OwnUnit:
