@@ -16,8 +16,10 @@ never obeyed. A lock counts only when it is genuine: bound to a lease (etcd dele
 its lease ends, so a key that has one has a live one) and well-formed; any other value at the
 lock's key is no lock, and whoever wants the lock deletes it (only that version of it).
 
-Every etcd failure becomes one ClusterUnavailable naming the endpoint: nothing cross-node starts
-while etcd cannot be reached, and nothing that runs is touched because of it.
+Every etcd failure becomes one ClusterUnavailable naming the endpoint and why, in our words
+(cluster/failures.py: out of reach, an error etcd answered, or an answer not etcd's; a bug of
+ours stays a bug): nothing cross-node starts while etcd cannot be reached, and nothing that runs
+is touched because of it.
 
 The methods are the DCS interface Issue #25 asks for: grant/refresh/revoke, acquire/release,
 announce/publish_process, nodes/process_states/holder/current, put_plan/report, wait/wait_step;
@@ -37,6 +39,7 @@ from typing import Any
 from ..config.cluster import NODE_NAME_RE
 from ..config.model import ClusterConfig
 from ..errors import SupervisorError
+from .failures import classify
 from .kv import KV, Entry
 from .plan import ClusterPlan
 from .records import (BadRecord, LockRecord, NodeRecord, ProcessRecord, StepReport, parse_lock, parse_node, parse_plan,
@@ -103,9 +106,11 @@ class ClusterStore:
             yield
         except SupervisorError:
             raise
-        except Exception as e:  # requests' and etcd3gw's errors alike: the store is out of reach
-            raise ClusterUnavailable(f"etcd at {self.endpoint} cannot be reached ({what}): "
-                                     f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from None
+        except Exception as e:
+            verdict = classify(e)  # cluster/failures.py: in our words; None for a bug of ours
+            if verdict is None:
+                raise
+            raise ClusterUnavailable(f"etcd at {self.endpoint} {verdict[0]} ({what}): {verdict[1]}") from None
 
     def key(self, *parts: str) -> str:
         return "/".join((self.prefix, *parts))

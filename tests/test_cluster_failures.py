@@ -1,0 +1,147 @@
+"""What the store says when etcd fails, as the party who answers on etcd's port (cluster/failures.py).
+
+A network neighbour can answer on `[cluster] etcd`'s host and port (without TLS, or before it is
+on): a web server, a proxy, a stranger writing anything. Each case below is that party, over a
+real socket, against the real client (etcd3gw and requests): the store says one line in our
+words, names the endpoint, and a bug of ours is never passed off as etcd being away.
+"""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("etcd3gw")
+
+from supervisord_gpu.cluster import etcd as etcd_module  # noqa: E402
+from supervisord_gpu.cluster.failures import classify, clean  # noqa: E402
+from supervisord_gpu.cluster.kv import MemoryKV  # noqa: E402
+from supervisord_gpu.cluster.store import ClusterStore, ClusterUnavailable  # noqa: E402
+from supervisord_gpu.config.model import ClusterConfig  # noqa: E402
+
+
+def store_at(url: str) -> ClusterStore:
+    return ClusterStore(ClusterConfig(node="a", etcd=(url,), prefix="/supervisord-gpu"))
+
+
+def said(url: str) -> str:
+    with pytest.raises(ClusterUnavailable) as e:
+        store_at(url).holder()
+    text = str(e.value)
+    assert e.value.exit_code == 4 and "\n" not in text and text.startswith(f"etcd at {url} "), text
+    for internals in ("HTTPConnectionPool", "Max retries", "object at 0x", "Traceback", "urllib3"):
+        assert internals not in text, text
+    return text
+
+
+class Stranger(http.server.BaseHTTPRequestHandler):
+    """Answers every POST with what the test put in `reply` (status, content type, body)."""
+
+    reply: tuple[int, str, bytes] = (200, "application/json", b"{}")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        status, ctype, body = self.reply
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def stranger() -> Iterator[tuple[str, type[Stranger]]]:
+    handler = type("Handler", (Stranger,), {})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_nobody_on_the_port_is_connection_refused_in_our_words() -> None:
+    url = f"http://127.0.0.1:{closed_port()}"
+    assert said(url) == f"etcd at {url} cannot be reached (reading the transition lock): connection refused"
+
+
+def test_a_listener_that_never_answers_is_no_answer_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(etcd_module, "ETCD_REQUEST_TIMEOUT_S", 0.5)
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        url = f"http://127.0.0.1:{mute.getsockname()[1]}"
+        assert said(url).endswith("cannot be reached (reading the transition lock): no answer in time")
+
+
+def test_a_web_server_on_etcds_port_did_not_answer_as_etcd(stranger: tuple[str, type[Stranger]]) -> None:
+    url, handler = stranger
+    handler.reply = (404, "text/html", b"<html><body>Not Found</body></html>")
+    assert said(url) == f"etcd at {url} did not answer as etcd (reading the transition lock): an HTTP error that is not etcd's (Not Found)"
+    handler.reply = (200, "text/html", b"<html>welcome</html>")
+    assert "did not answer as etcd" in said(url) and "not JSON" in said(url)
+    handler.reply = (200, "application/json", b"[1, 2, 3]")
+    assert "did not answer as etcd (reading the transition lock): its answer does not fit" in said(url)
+
+
+def test_an_error_etcd_answers_is_kept_one_clean_line(stranger: tuple[str, type[Stranger]]) -> None:
+    url, handler = stranger
+    handler.reply = (403, "application/json", b'{"error": "etcdserver: permission denied", "code": 7}')
+    assert said(url) == f"etcd at {url} answered with an error (reading the transition lock): etcdserver: permission denied"
+    forged = "etcdserver: \x1b[2J\x1b]0;pwned\x07 oops\n" + "A" * 10_000  # escapes, a newline, 10 kB
+    handler.reply = (500, "application/json", ('{"error": "%s"}' % forged.replace("\n", "\\n").replace("\x1b", "\\u001b")
+                                                .replace("\x07", "\\u0007")).encode())
+    text = said(url)
+    assert "\x1b" not in text and "\x07" not in text and len(text) < 300, text
+
+
+def test_a_bug_of_ours_inside_a_store_call_stays_a_bug() -> None:
+    class Broken(MemoryKV):
+        def range(self, key: str, prefix: bool = False):  # type: ignore[no-untyped-def, override]
+            raise TypeError("unsupported operand type(s) for +: 'int' and 'str'")
+
+    s = ClusterStore(ClusterConfig(node="a", prefix="/supervisord-gpu"), kv=Broken())
+    with pytest.raises(TypeError):
+        s.holder()  # not "etcd cannot be reached", exit 4, retried for ever
+
+
+def test_the_fakes_lease_error_speaks_etcds_words() -> None:
+    s = ClusterStore(ClusterConfig(node="a", prefix="/supervisord-gpu"), kv=MemoryKV())
+    with pytest.raises(ClusterUnavailable, match=r"answered with an error \(publishing node a\): etcdserver: requested lease not found"):
+        s.announce("a", 12345, {"node": "a"})
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("HTTPConnectionPool(host='h', port=1): Max retries exceeded (Caused by NewConnectionError('<x>: "
+     "Failed to establish a new connection: [Errno 111] Connection refused'))", "connection refused"),
+    ("(Caused by NameResolutionError(\"<x>: Failed to resolve 'etcd.invalid' ([Errno -2] Name or service not known)\"))",
+     "its host name does not resolve"),
+    ("(Caused by SSLError(SSLCertVerificationError(1, '[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed')))",
+     "TLS: certificate verify failed"),
+    ("('Connection aborted.', RemoteDisconnected('Remote end closed connection without response'))",
+     "the connection was closed by the other end"),
+])
+def test_requests_paragraphs_become_a_few_words(text: str, expected: str) -> None:
+    from etcd3gw.exceptions import ConnectionFailedError
+
+    assert classify(ConnectionFailedError(text)) == ("cannot be reached", expected)
+
+
+def test_clean_is_one_printable_line() -> None:
+    assert clean("a\nb\x1b[31mc\td", 80) == "a b [31mc d"
+    assert len(clean("x" * 500)) == 120
