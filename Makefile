@@ -48,7 +48,7 @@ rehearse-cluster: test-setup
 	$(VENV)/bin/python tests/cluster_rehearsal.py
 
 test: test-setup lint
-	$(VENV)/bin/python -m pytest -q -rs
+	$(VENV)/bin/python -m pytest -q -rs --durations=25
 
 # A linter and a type checker over the product code; any finding fails `make test`.
 lint: $(STAMP)
