@@ -9,6 +9,7 @@ words, names the endpoint, and a bug of ours is never passed off as etcd being a
 from __future__ import annotations
 
 import http.server
+import json
 import socket
 import threading
 from collections.abc import Iterator
@@ -60,7 +61,7 @@ class Stranger(http.server.BaseHTTPRequestHandler):
 def stranger() -> Iterator[tuple[str, type[Stranger]]]:
     handler = type("Handler", (Stranger,), {})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}", handler
@@ -104,20 +105,27 @@ def test_an_error_etcd_answers_is_kept_one_clean_line(stranger: tuple[str, type[
     handler.reply = (403, "application/json", b'{"error": "etcdserver: permission denied", "code": 7}')
     assert said(url) == f"etcd at {url} answered with an error (reading the transition lock): etcdserver: permission denied"
     forged = "etcdserver: \x1b[2J\x1b]0;pwned\x07 oops\n" + "A" * 10_000  # escapes, a newline, 10 kB
-    handler.reply = (500, "application/json", ('{"error": "%s"}' % forged.replace("\n", "\\n").replace("\x1b", "\\u001b")
-                                                .replace("\x07", "\\u0007")).encode())
+    handler.reply = (500, "application/json", json.dumps({"error": forged}).encode())
     text = said(url)
     assert "\x1b" not in text and "\x07" not in text and len(text) < 300, text
 
 
-def test_a_bug_of_ours_inside_a_store_call_stays_a_bug() -> None:
-    class Broken(MemoryKV):
-        def range(self, key: str, prefix: bool = False):  # type: ignore[no-untyped-def, override]
-            raise TypeError("unsupported operand type(s) for +: 'int' and 'str'")
-
-    s = ClusterStore(ClusterConfig(node="a", prefix="/supervisord-gpu"), kv=Broken())
+def test_a_bug_of_ours_is_a_bug_and_any_answer_is_etcds() -> None:
+    """Our records become JSON before the request: a record of ours that cannot is a TypeError
+    (a bug, raised as one), not "etcd cannot be reached", exit 4, retried for ever. Whatever is
+    raised once the request is under way is the answer's doing: one line, exit 4."""
+    s = ClusterStore(ClusterConfig(node="a", prefix="/supervisord-gpu"), kv=MemoryKV())
+    lease = s.grant()
     with pytest.raises(TypeError):
-        s.holder()  # not "etcd cannot be reached", exit 4, retried for ever
+        s.announce("a", lease, {"node": "a", "gpus": {0, 1}})  # a set: json cannot
+
+    class Odd(MemoryKV):
+        def range(self, key: str, prefix: bool = False):  # type: ignore[no-untyped-def, override]
+            raise RecursionError("maximum recursion depth exceeded")  # 100,000 nested brackets
+
+    with pytest.raises(ClusterUnavailable, match=r"did not answer as etcd \(reading the transition lock\): "
+                                                 r"its answer does not fit \(RecursionError\)"):
+        ClusterStore(ClusterConfig(node="a", prefix="/supervisord-gpu"), kv=Odd()).holder()
 
 
 def test_the_fakes_lease_error_speaks_etcds_words() -> None:

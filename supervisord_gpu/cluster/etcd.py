@@ -32,7 +32,9 @@ etcd no longer knows (its TTL passed, etcd restarted) is renewed once, and the r
 from __future__ import annotations
 
 import base64
+import socket
 import threading
+import time
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -41,6 +43,14 @@ from .credentials import checked, read_password
 from .kv import Entry
 
 ETCD_REQUEST_TIMEOUT_S = 3.0
+#: the most an answer may hold, decompressed (etcd's own default request limit is 1.5 MiB)
+ANSWER_MAX = 4 << 20
+
+
+class AnswerTooLarge(Exception):
+    """An answer over ANSWER_MAX: not etcd's (cluster/failures.py)."""
+#: etcd's tokens are short ASCII (simple or JWT); anything else is not etcd's login answer
+_TOKEN_MAX = 8192
 
 
 def _b64(data: str | bytes) -> str:
@@ -78,17 +88,32 @@ def _session(base: str, tls: tuple[str | None, str | None, str | None], login: t
             with self._lock:
                 if self._token != stale:
                     return  # another thread renewed it meanwhile
-                r = super().request("POST", base + "auth/authenticate", **self._tls(
-                    {"json": {"name": login[0], "password": login[1]}, "timeout": timeout}))
+                r = _read_bounded(super().request("POST", base + "auth/authenticate", **self._tls(
+                    {"json": {"name": login[0], "password": login[1]}, "timeout": timeout,
+                     "allow_redirects": False, "stream": True})), time.monotonic() + 2 * timeout)
                 if r.status_code != 200:
                     raise PermissionError(f"etcd refused user {login[0]!r}: {_message(r)}")
-                self._token = str(r.json().get("token", ""))
+                token = r.json().get("token", "")
+                if not (isinstance(token, str) and 0 < len(token) <= _TOKEN_MAX and token.isascii() and token.isprintable()):
+                    raise PermissionError(f"etcd's answer to the login of user {login[0]!r} holds no token")
+                self._token = token
 
         def request(self, method: Any, url: Any, **kwargs: Any) -> Any:  # type: ignore[override]
             kwargs = self._tls(kwargs)
             # Debian 12's etcd3gw (2.0.0) sends no timeout at all: an etcd out of reach would hang
-            # every call. A watch (a stream) waits for events as long as it likes once connected.
-            kwargs.setdefault("timeout", (timeout, None) if kwargs.get("stream") else timeout)
+            # every call. A watch (a stream) waits as long for its answer and for each event;
+            # our watches last a second or a third of the lease TTL, and one whose stream read
+            # times out ends as if no event came (the callers read again).
+            kwargs.setdefault("timeout", timeout)
+            # a redirect would make root send our request (our token with it) wherever the
+            # answerer points, loopback services included: etcd never redirects its gateway
+            kwargs["allow_redirects"] = False
+            if kwargs.get("stream"):
+                return self._send(method, url, kwargs)
+            kwargs["stream"] = True  # read below, against a size cap and a deadline for the whole
+            return _read_bounded(self._send(method, url, kwargs), time.monotonic() + 2 * timeout)
+
+        def _send(self, method: Any, url: Any, kwargs: dict[str, Any]) -> Any:
             if login is None:
                 return super().request(method, url, **kwargs)
             if not self._token:
@@ -105,11 +130,54 @@ def _session(base: str, tls: tuple[str | None, str | None, str | None], login: t
     return EtcdSession()
 
 
-def _message(r: Any) -> str:
+def _read_bounded(r: Any, deadline: float) -> Any:
+    """Read a streamed answer whole, or refuse it: over ANSWER_MAX decompressed (a 64 kB gzip
+    answer inflates to 64 MiB), or still arriving at `deadline` (requests' timeout bounds each
+    read, not the whole: one byte every timeout/2 goes on for ever). A blocking read cannot see
+    the clock, so a timer closes the answer at the deadline and the read fails."""
+    late = threading.Event()
+
+    def expire() -> None:
+        late.set()
+        sock = getattr(getattr(r.raw, "connection", None), "sock", None)  # urllib3's connection
+        try:
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked read (a close would not)
+        except OSError:
+            pass
+        r.close()
+
+    timer = threading.Timer(max(0.0, deadline - time.monotonic()), expire)
+    timer.daemon = True
+    timer.start()
+    chunks, size = [], 0
     try:
-        return str(r.json().get("error") or r.json().get("message") or r.text)[:200]
-    except ValueError:
-        return r.text[:200]
+        for chunk in r.iter_content(65536):
+            size += len(chunk)
+            if size > ANSWER_MAX:
+                raise AnswerTooLarge(f"over {ANSWER_MAX >> 20} MiB")
+            chunks.append(chunk)
+    except Exception:
+        r.close()
+        if late.is_set():
+            raise TimeoutError("the answer was still arriving at its deadline") from None
+        raise
+    finally:
+        timer.cancel()
+    if late.is_set():
+        raise TimeoutError("the answer was still arriving at its deadline")
+    r._content = b"".join(chunks)
+    r._content_consumed = True
+    return r
+
+
+def _message(r: Any) -> str:
+    """etcd's reason for a refused login, cut (cluster/failures.py cleans it to one line)."""
+    try:
+        body = r.json()
+        return str(body.get("error") or body.get("message") or r.text)[:200] if isinstance(body, dict) else r.text[:200]
+    except Exception:  # noqa: BLE001 - not JSON, or JSON nested past the recursion limit
+        return str(r.text)[:200]
 
 
 class EtcdKV:

@@ -17,8 +17,8 @@ its lease ends, so a key that has one has a live one) and well-formed; any other
 lock's key is no lock, and whoever wants the lock deletes it (only that version of it).
 
 Every etcd failure becomes one ClusterUnavailable naming the endpoint and why, in our words
-(cluster/failures.py: out of reach, an error etcd answered, or an answer not etcd's; a bug of
-ours stays a bug): nothing cross-node starts while etcd cannot be reached, and nothing that runs
+(cluster/failures.py: out of reach, an error etcd answered, or an answer not etcd's; our own
+records are turned into JSON before the request, so a bug there stays a bug): nothing cross-node starts while etcd cannot be reached, and nothing that runs
 is touched because of it.
 
 The methods are the DCS interface Issue #25 asks for: grant/refresh/revoke, acquire/release,
@@ -106,11 +106,9 @@ class ClusterStore:
             yield
         except SupervisorError:
             raise
-        except Exception as e:
-            verdict = classify(e)  # cluster/failures.py: in our words; None for a bug of ours
-            if verdict is None:
-                raise
-            raise ClusterUnavailable(f"etcd at {self.endpoint} {verdict[0]} ({what}): {verdict[1]}") from None
+        except Exception as e:  # noqa: BLE001 - whoever answers chooses the type (cluster/failures.py)
+            verdict, reason = classify(e)
+            raise ClusterUnavailable(f"etcd at {self.endpoint} {verdict} ({what}): {reason}") from None
 
     def key(self, *parts: str) -> str:
         return "/".join((self.prefix, *parts))
@@ -171,8 +169,9 @@ class ClusterStore:
     # -- nodes -----------------------------------------------------------------------------
 
     def announce(self, node: str, lease: int, record: dict[str, Any]) -> None:
+        value = json.dumps(record, sort_keys=True)  # ours: a bug here is a bug, not etcd's fault
         with self._talking(f"publishing node {node}"):
-            self.kv.put(self.key("nodes", node), json.dumps(record, sort_keys=True), lease=lease)
+            self.kv.put(self.key("nodes", node), value, lease=lease)
 
     def nodes(self) -> dict[str, NodeRecord]:
         """Every node whose agent is alive, with what it last published."""
@@ -186,8 +185,9 @@ class ClusterStore:
     # -- process states, for the cluster gate ------------------------------------------------
 
     def publish_process(self, instance: str, node: str, process: str, record: dict[str, Any], lease: int) -> None:
+        value = json.dumps(record, sort_keys=True)
         with self._talking(f"publishing {node}/{process}"):
-            self.kv.put(self.key("parts", instance, node, process), json.dumps(record, sort_keys=True), lease=lease)
+            self.kv.put(self.key("parts", instance, node, process), value, lease=lease)
 
     def processes(self, instance: str | None = None) -> list[ProcessRecord]:
         """What the live daemons published, of `instance` or of every instance."""
@@ -261,8 +261,9 @@ class ClusterStore:
     # -- plans and step reports ------------------------------------------------------------
 
     def put_plan(self, tid: str, plan: dict[str, Any], lease: int) -> None:
+        value = json.dumps(plan)
         with self._talking("writing the plan"):
-            self.kv.put(self.key("transitions", tid, "plan"), json.dumps(plan), lease=lease)
+            self.kv.put(self.key("transitions", tid, "plan"), value, lease=lease)
             self.kv.put(self.key("current"), tid, lease=lease)
 
     def plan(self, tid: str) -> tuple[ClusterPlan, int] | None:
@@ -291,8 +292,9 @@ class ClusterStore:
         return (tid, plan[0]) if plan else None
 
     def report(self, tid: str, step: int, node: str, result: dict[str, Any], lease: int) -> None:
+        value = json.dumps(result)
         with self._talking(f"reporting step {step}"):
-            self.kv.put(self.key("transitions", tid, "steps", str(step), node), json.dumps(result), lease=lease)
+            self.kv.put(self.key("transitions", tid, "steps", str(step), node), value, lease=lease)
 
     def reports(self, tid: str, step: int) -> dict[str, StepReport]:
         def one(entry: Entry, node: str) -> tuple[str, StepReport]:
