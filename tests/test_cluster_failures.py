@@ -8,11 +8,9 @@ words, names the endpoint, and a bug of ours is never passed off as etcd being a
 
 from __future__ import annotations
 
-import http.server
 import json
 import socket
-import threading
-from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -39,35 +37,7 @@ def said(url: str) -> str:
     return text
 
 
-class Stranger(http.server.BaseHTTPRequestHandler):
-    """Answers every POST with what the test put in `reply` (status, content type, body)."""
-
-    reply: tuple[int, str, bytes] = (200, "application/json", b"{}")
-
-    def do_POST(self) -> None:  # noqa: N802
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        status, ctype, body = self.reply
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.fixture
-def stranger() -> Iterator[tuple[str, type[Stranger]]]:
-    handler = type("Handler", (Stranger,), {})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", handler
-    finally:
-        server.shutdown()
-        server.server_close()
+from scripted_etcd import etcd  # noqa: E402,F401  (the fixture)
 
 
 def closed_port() -> int:
@@ -90,22 +60,22 @@ def test_a_listener_that_never_answers_is_no_answer_in_time(monkeypatch: pytest.
         assert said(url).endswith("cannot be reached (reading the transition lock): no answer in time")
 
 
-def test_a_web_server_on_etcds_port_did_not_answer_as_etcd(stranger: tuple[str, type[Stranger]]) -> None:
-    url, handler = stranger
-    handler.reply = (404, "text/html", b"<html><body>Not Found</body></html>")
+def test_a_web_server_on_etcds_port_did_not_answer_as_etcd(etcd: tuple[str, Any]) -> None:
+    url, handler = etcd
+    handler.answers["/v3/kv/range"] = (404, None, {"Content-Type": "text/html"}, b"<html><body>Not Found</body></html>")
     assert said(url) == f"etcd at {url} did not answer as etcd (reading the transition lock): an HTTP error that is not etcd's (Not Found)"
-    handler.reply = (200, "text/html", b"<html>welcome</html>")
+    handler.answers["/v3/kv/range"] = (200, None, {"Content-Type": "text/html"}, b"<html>welcome</html>")
     assert "did not answer as etcd" in said(url) and "not JSON" in said(url)
-    handler.reply = (200, "application/json", b"[1, 2, 3]")
+    handler.answers["/v3/kv/range"] = (200, None, {"Content-Type": "application/json"}, b"[1, 2, 3]")
     assert "did not answer as etcd (reading the transition lock): its answer does not fit" in said(url)
 
 
-def test_an_error_etcd_answers_is_kept_one_clean_line(stranger: tuple[str, type[Stranger]]) -> None:
-    url, handler = stranger
-    handler.reply = (403, "application/json", b'{"error": "etcdserver: permission denied", "code": 7}')
+def test_an_error_etcd_answers_is_kept_one_clean_line(etcd: tuple[str, Any]) -> None:
+    url, handler = etcd
+    handler.answers["/v3/kv/range"] = (403, None, {"Content-Type": "application/json"}, b'{"error": "etcdserver: permission denied", "code": 7}')
     assert said(url) == f"etcd at {url} answered with an error (reading the transition lock): etcdserver: permission denied"
     forged = "etcdserver: \x1b[2J\x1b]0;pwned\x07 oops\n" + "A" * 10_000  # escapes, a newline, 10 kB
-    handler.reply = (500, "application/json", json.dumps({"error": forged}).encode())
+    handler.answers["/v3/kv/range"] = (500, None, {"Content-Type": "application/json"}, json.dumps({"error": forged}).encode())
     text = said(url)
     assert "\x1b" not in text and "\x07" not in text and len(text) < 300, text
 
