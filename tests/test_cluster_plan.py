@@ -3,9 +3,11 @@ verification on every node of the new profile, then the new servers and the rout
 
 from __future__ import annotations
 
+import json
 import textwrap
 
 from supervisord_gpu.cluster.plan import ClusterPlan, conflicts, plan_switch, start_sequence, stop_sequence
+from supervisord_gpu.cluster.records import parse_plan
 from supervisord_gpu.config.loader import load_daemon_config, load_profile
 from test_cluster_config import PD_ACROSS, TP_SPANNING
 
@@ -55,5 +57,5 @@ def test_a_profile_on_other_gpus_and_ports_is_not_in_the_way_and_the_plan_surviv
     assert conflicts(p["tp"], [p["other"]]) == [] and conflicts(p["tp"], [p["pd"], p["other"]]) == [p["pd"]]
     plan = plan_switch(p["tp"], [p["other"]])
     assert [s.action for s in plan.steps] == ["verify", "start"]
-    again = ClusterPlan.from_json(plan.to_json())  # what the agents read back from the store
+    again = parse_plan("plan", json.dumps(plan.to_json()))  # what the agents read back from the store
     assert again == plan

@@ -62,15 +62,6 @@ class ClusterPlan:
     def to_json(self) -> dict:
         return asdict(self)
 
-    @staticmethod
-    def from_json(data: dict) -> ClusterPlan:
-        """Parsed and checked as every plan read from etcd is (cluster/records.py): BadRecord if it does not fit."""
-        import json
-
-        from .records import parse_plan
-
-        return parse_plan("plan", json.dumps(data))
-
     def render(self) -> str:
         head = f"plan: switch the cluster to {self.target}" + (
             f" from {', '.join(self.stopping)}" if self.stopping else " (nothing to stop)")
