@@ -36,12 +36,29 @@ def wait_for(pred, timeout: float = 10.0, what: str = "condition", interval: flo
 
 
 def free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
+    """n free ports whose +50 are free too and none another's: a server of a profile with
+    several gets --nccl-port = its port + 50 (config/loader.py), and a random router port equal
+    to a server's +50 made the profile invalid (one run in thousands failed on it)."""
+    from supervisord_gpu.config.loader import NCCL_PORT_OFFSET
+
+    socks, ports, taken = [], [], set()
+    while len(ports) < n:
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
         socks.append(s)
-        ports.append(s.getsockname()[1])
+        port = s.getsockname()[1]
+        twin = port + NCCL_PORT_OFFSET
+        if twin > 65535 or {port, twin} & taken:
+            continue
+        try:
+            t = socket.socket()
+            t.bind(("127.0.0.1", twin))
+        except OSError:
+            t.close()
+            continue
+        socks.append(t)
+        ports.append(port)
+        taken |= {port, twin}
     for s in socks:
         s.close()
     return ports
