@@ -159,12 +159,11 @@ def _read_bounded(r: Any, deadline: float) -> Any:
             chunks.append(chunk)
     except Exception:
         r.close()
-        if late.is_set():
-            raise TimeoutError("the answer was still arriving at its deadline") from None
-        raise
+        if not late.is_set():
+            raise
     finally:
         timer.cancel()
-    if late.is_set():
+    if late.is_set():  # the read failed because the timer closed it, or ended just as it fired
         raise TimeoutError("the answer was still arriving at its deadline")
     r._content = b"".join(chunks)
     r._content_consumed = True
