@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -249,6 +250,24 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def stop_process(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP pid and return once it is stopped (/proc state T).
+
+    kill() only queues the stop: the target stops when it is next scheduled, which on a
+    loaded 2-core CI machine can be after the test's next request has been answered.
+    """
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        except FileNotFoundError:
+            return False
+
+    wait_for(stopped, timeout=timeout, what=f"pid {pid} stopped", interval=0.005)
 
 
 def start_decoy(port: int = 30001) -> subprocess.Popen[bytes]:

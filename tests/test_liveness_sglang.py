@@ -21,7 +21,7 @@ import pytest
 
 from supervisord_gpu.engine.states import State
 from supervisord_gpu.errors import StartError
-from support import free_ports, make_instance, write_config
+from support import free_ports, make_instance, stop_process, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +113,7 @@ def test_a_ready_latched_by_someone_elses_failed_health_is_not_killed_and_clears
         await instance.start()
         pid = proc.pid
         scheduler = (await asyncio.to_thread(server_info, port))["scheduler_pids"][0]
-        os.kill(scheduler, signal.SIGSTOP)  # a scheduler stall of 3 s (a long prompt) ...
+        stop_process(scheduler)  # a scheduler stall of 3 s (a long prompt) ...
         failed = await asyncio.to_thread(http, "GET", port, "/health")  # ... during a third party's check
         await asyncio.sleep(1)
         os.kill(scheduler, signal.SIGCONT)  # the stall is over; the latch stays
@@ -140,7 +140,7 @@ def test_a_sigstopped_scheduler_is_killed_after_scheduler_timeout_and_the_server
         await instance.start()
         pid = proc.pid
         scheduler = (await asyncio.to_thread(server_info, port))["scheduler_pids"][0]
-        os.kill(scheduler, signal.SIGSTOP)  # its front end still answers /ready 200
+        stop_process(scheduler)  # its front end still answers /ready 200
         began = time.monotonic()
         ready = await asyncio.to_thread(http, "GET", port, "/ready", None, 5)
         await _until(lambda: proc.pid != pid or proc.exit_code is not None)

@@ -39,7 +39,7 @@ import pytest
 from supervisord_gpu.checks.simgpu import SimulatedGpus
 from supervisord_gpu.rehearsal import standin_router, standin_server
 from supervisord_gpu.sglang import exits, options
-from support import wait_for
+from support import stop_process, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -630,7 +630,7 @@ def test_server_info_waits_for_a_stopped_scheduler_and_a_stall(procs: Procs) -> 
     base = f"http://127.0.0.1:{port}"
     wait_ready(port)
     scheduler = server_info(port)["scheduler_pids"][0]
-    os.kill(scheduler, signal.SIGSTOP)
+    stop_process(scheduler)
     try:
         got: dict[str, tuple[int, float]] = {}
         t = threading.Thread(target=lambda: got.setdefault("info", timed("GET", base + "/server_info")))
