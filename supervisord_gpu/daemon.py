@@ -164,7 +164,7 @@ def start_bus(cfg: DaemonConfig, profile: Profile, controller: InstanceControlle
     except Exception as e:  # no bus, or the name is taken: run on, loudly
         if opts.bus == "on":
             raise
-        sink.event(f"D-Bus API not available ({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}); running without it", 4)
+        sink.event(f"D-Bus API not available ({e}); running without it", 4)
         return None
 
     def publish(event: Event | None = None) -> None:

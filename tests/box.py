@@ -31,12 +31,23 @@ port = {port}
 """
 
 
+def checkout_settings() -> str:
+    """[Service] lines that make this checkout visible to a unit running it, wherever it lies:
+    bound into the service's namespace (under PrivateTmp=yes a clone in /tmp is invisible), and
+    for a checkout in /root or /home, those replaced by a tmpfs holding only the bind
+    (ProtectHome=tmpfs): the servers' user `sglang` cannot enter a 0700 /root, and the agent's
+    ProtectHome=yes hides it from root too. The package itself lives in /usr and needs neither."""
+    lines = [f"BindReadOnlyPaths={REPO}"]
+    if any(REPO.is_relative_to(home) for home in ("/root", "/home", "/run/user")):
+        lines.insert(0, "ProtectHome=tmpfs")
+    return "# tests: this checkout, wherever it lies\n" + "\n".join(lines) + "\n"
+
+
 def unit_text(drop: str = "") -> str:
-    """The shipped unit, running this checkout's daemon. The checkout is bound into the service's
-    namespace explicitly: under PrivateTmp=yes a clone in /tmp would be invisible to it."""
+    """The shipped unit, running this checkout's daemon (checkout_settings says how it sees it)."""
     text = (REPO / "units" / "dsv4@.service").read_text()
     text = text.replace("ExecStart=/usr/bin/supervisord-gpu run %i", f"ExecStart={DAEMON} run %i")
-    return text.replace("\n[Install]", f"\n# tests: this checkout, wherever it lies\nBindReadOnlyPaths={REPO}\n\n[Install]", 1) + drop
+    return text.replace("\n[Install]", f"\n{checkout_settings()}\n[Install]", 1) + drop
 
 
 def install(ctr, startup: float = 1.0, stall: float = 120.0, unit_extra: str = "",  # type: ignore[no-untyped-def]
@@ -61,8 +72,19 @@ def install(ctr, startup: float = 1.0, stall: float = 120.0, unit_extra: str = "
 
 @pytest.fixture
 def box(fresh_systemd_container):  # type: ignore[no-untyped-def]
-    """A clean systemd with our unit, policy, config and the shipped profiles installed."""
+    """A clean systemd with our unit, policy, config and the shipped profiles installed, on a
+    network of its own (loopback only: its 30001 is not the host's)."""
     ctr = fresh_systemd_container()
+    ctr.install = lambda **kw: install(ctr, **kw)  # type: ignore[attr-defined]
+    return ctr
+
+
+@pytest.fixture
+def host_box(fresh_systemd_container):  # type: ignore[no-untyped-def]
+    """The box on the host's network, for a test whose client runs on the host. Such a test
+    must be marked ``pytest.mark.xdist_group("host-network")``: the shipped profiles' ports are
+    the host's then, and two at once would collide."""
+    ctr = fresh_systemd_container(host_network=True)
     ctr.install = lambda **kw: install(ctr, **kw)  # type: ignore[attr-defined]
     return ctr
 

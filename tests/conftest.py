@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -10,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from support import CgroupSandbox, start_decoy
+from support import CgroupSandbox, MatrixTables, start_decoy
 
 
 def pytest_configure(config):  # type: ignore[no-untyped-def]
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    config.pluginmanager.register(MatrixTables(), "fault-matrix-tables")
 
 
 @pytest.fixture
@@ -100,7 +102,20 @@ def deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if missing and os.geteuid() != 0:  # as root, `make deb` installs its own build tools
         unavailable(f"building the .deb needs {', '.join(missing)} (apt-get install -y "
                     "debhelper dh-python pybuild-plugin-pyproject python3-all python3-setuptools lintian)")
-    out = tmp_path_factory.mktemp("deb-out")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # parallel workers: the first to ask builds it, under a lock, in the run's shared temp
+        # root; the others wait for it and take the same file
+        shared = tmp_path_factory.getbasetemp().parent / "deb-out"
+        shared.mkdir(exist_ok=True)
+        with open(shared.parent / "deb-out.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (shared / DEB_NAME).is_file():
+                _make_deb(shared)
+        return shared / DEB_NAME
+    return _make_deb(tmp_path_factory.mktemp("deb-out"))
+
+
+def _make_deb(out: Path) -> Path:
     r = subprocess.run(["make", "--no-print-directory", "deb", f"DEB_OUT={out}"], cwd=REPO,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"make deb failed:\n{r.stdout}\n{r.stderr}"

@@ -49,7 +49,7 @@ def free_ports(n: int) -> list[int]:
         socks.append(s)
         port = s.getsockname()[1]
         twin = port + NCCL_PORT_OFFSET
-        if twin > 65535 or {port, twin} & taken:
+        if twin > 65535 or {port, twin} & taken or not _this_workers(port):
             continue
         try:
             t = socket.socket()
@@ -63,6 +63,20 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+def _this_workers(port: int) -> bool:
+    """Under pytest-xdist, each worker hands out ports from blocks of 100 of its own: port P in
+    the lower half of a block whose number is the worker's modulo the worker count, so its
+    +50 lies in the same block. Two workers then never pick the same port between choosing
+    it and binding it (free_ports closes its probe sockets before the test binds)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not worker.startswith("gw") or not count.isdigit() or int(count) < 2:
+        return True
+    from supervisord_gpu.config.loader import NCCL_PORT_OFFSET
+
+    block, offset = divmod(port, 2 * NCCL_PORT_OFFSET)
+    return offset < NCCL_PORT_OFFSET and block % int(count) == int(worker[2:])
 
 
 class CgroupSandbox:
@@ -327,28 +341,42 @@ def with_env(text: str, process: str, **env: str) -> str:
 # --------------------------------------------------------------------------- matrix reports
 
 
-class MatrixReport:
-    """Prints a fault matrix (case, final state, leftovers, time) in pytest's terminal summary."""
+MATRIX_ROW = "matrix-row"  # a user_properties key: one row of a fault matrix, shown at the end
 
-    def __init__(self, title, results: list[tuple[str, str, str, float]]) -> None:  # type: ignore[no-untyped-def]
-        self.title = title
-        self.results = results
+
+def matrix_rows(request, results: list[tuple[str, str, str, float]], title: str, cases: int):  # type: ignore[no-untyped-def]
+    """Around one test: the rows it appended to `results` go on its report, as ("matrix-row",
+    (title, cases, row)). Reports travel from pytest-xdist's workers to the main process, so
+    MatrixTables (conftest.py) prints the whole matrix at the end however the tests ran."""
+    before = len(results)
+    yield
+    for row in results[before:]:
+        request.node.user_properties.append((MATRIX_ROW, (title, cases, tuple(row))))
+
+
+class MatrixTables:
+    """Prints each fault matrix (case, final state, leftovers, time) in pytest's terminal summary."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, tuple[int, list[tuple[str, str, str, float]]]] = {}
+
+    def pytest_runtest_logreport(self, report) -> None:  # type: ignore[no-untyped-def]
+        if report.when != "teardown":  # every phase's report carries them; count one
+            return
+        for key, value in report.user_properties:
+            if key == MATRIX_ROW:
+                title, cases, row = value
+                self.tables.setdefault(title, (cases, []))[1].append(tuple(row))
 
     def pytest_terminal_summary(self, terminalreporter) -> None:  # type: ignore[no-untyped-def]
-        if not self.results:
-            return
         tr = terminalreporter
-        tr.section(self.title())
-        width = max(len(c) for c, *_ in self.results)
-        tr.write_line(f"{'case':<{width}}  {'final state':<60}  {'leftovers':<10}  time")
-        for case, final, leftovers, took in self.results:
-            tr.write_line(f"{case:<{width}}  {final[:60]:<60}  {leftovers:<10}  {took:5.1f} s")
-        tr.write_line(f"total {sum(r[3] for r in self.results):.1f} s")
-
-
-def register_report(config, name: str, title, results: list) -> None:  # type: ignore[no-untyped-def]
-    if config.pluginmanager.get_plugin(name) is None:
-        config.pluginmanager.register(MatrixReport(title, results), name)
+        for title, (cases, rows) in self.tables.items():
+            tr.section(f"{title}: {len(rows)} of {cases} cases run")
+            width = max(len(c) for c, *_ in rows)
+            tr.write_line(f"{'case':<{width}}  {'final state':<60}  {'leftovers':<10}  time")
+            for case, final, leftovers, took in rows:
+                tr.write_line(f"{case:<{width}}  {final[:60]:<60}  {leftovers:<10}  {took:5.1f} s")
+            tr.write_line(f"total {sum(r[3] for r in rows):.1f} s")
 
 
 # --------------------------------------------------------------------------- traffic

@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import time
-import urllib.request
 
 import pytest
 
@@ -70,8 +69,8 @@ def test_a_system_bus_restart_leaves_the_instance_and_its_servers_running(box):
     journal = box.journal("dsv4@alpha")
     assert box.is_active("dsv4@alpha") == "active", journal[-3000:]
     assert pids(box) == before, journal[-3000:]
-    with urllib.request.urlopen("http://127.0.0.1:31001/health", timeout=5) as r:
-        assert r.status == 200
+    health = "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:31001/health', timeout=5).status)"
+    assert box.run(["python3", "-c", health]).stdout.strip() == "200"  # inside: the box has its own network
     assert "system bus lost" in journal and "system bus back" in journal, journal[-3000:]
     assert "stopping" not in box.systemctl("show", "-P", "StatusText", "dsv4@alpha").stdout
     # systemd calls go through the new connection too: a restart of one server (a new scope) works
@@ -153,3 +152,15 @@ def test_the_daemon_serves_again_on_a_restarted_bus_and_keeps_its_servers(tmp_pa
     finally:
         daemon.close()
         bus.close()
+
+
+def test_no_bus_reads_in_words_not_glibs_domain_and_code(monkeypatch, tmp_path):
+    """#26: a rehearsal without a system bus said "BusError: system bus not reachable:
+    g-io-error-quark: Could not connect: No such file or directory (1)"."""
+    from supervisord_gpu.bus.link import open_connection
+    from supervisord_gpu.errors import BusError
+
+    monkeypatch.setenv("DBUS_SYSTEM_BUS_ADDRESS", f"unix:path={tmp_path}/no-bus-here")
+    with pytest.raises(BusError) as said:
+        open_connection()
+    assert str(said.value) == "system bus not reachable: Could not connect: No such file or directory", str(said.value)

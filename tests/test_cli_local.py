@@ -48,7 +48,7 @@ def test_check_refuses_exactly_what_the_daemon_refuses(tmp_path, capsys, option,
     assert said == f"gpusupctl: {daemon_says.value}" and expected in said, said
 
 
-def rehearse_config_dir(tmp_path: Path, cgroups, profile: str, rehearsal: str) -> Path:  # type: ignore[no-untyped-def]
+def rehearse_config_dir(tmp_path: Path, cgroups, profile: str, rehearsal: str, user: str = "root") -> Path:  # type: ignore[no-untyped-def]
     """A config dir for `gpusupctl rehearse pd`: rehearsal is not enabled in it, since `rehearse`
     switches it on in a directory of its own; `rehearsal` is the body of its [rehearsal] table."""
     cdir = tmp_path / "etc"
@@ -58,7 +58,7 @@ def rehearse_config_dir(tmp_path: Path, cgroups, profile: str, rehearsal: str) -
         ownership = "cgroupfs"
         cgroup_root = "{cgroups.root}"
         runtime_dir = "{tmp_path / 'run'}"
-        default_user = "root"
+        default_user = "{user}"
         [rehearsal]
         """) + rehearsal + "\n")
     (cdir / "profiles" / "pd.toml").write_text(textwrap.dedent(profile))
@@ -104,3 +104,48 @@ def test_a_failed_rehearsal_leaves_nothing_behind_either(tmp_path, cgroups):
     # SGLang's own traceback is quoted in the reason; none of ours ever is
     assert "internal error" not in r.stderr and not any(l.startswith("Traceback") for l in (r.stdout + r.stderr).splitlines())
     wait_for(lambda: sorted(p.name for p in (tmp_path / "run" / "rehearsal").iterdir()) in ([], ["cache"]), 5, "cleanup")
+
+
+def test_a_rehearsal_runs_its_servers_as_a_user_who_cannot_enter_the_checkout(tmp_path, cgroups):
+    """#26: a checkout in /root (0700) and servers run as `sglang` (here: nobody). The checkout
+    is this one, bound under a 0700 directory in a mount namespace of the test's own; the
+    config and runtime directories lie under pytest's 0700 temp root. Before rehearsal/reach.py
+    the first stand-in died: PermissionError: '.../.venv/bin/python3'."""
+    closed = tmp_path / "root"
+    (closed / "supervisord-gpu").mkdir(parents=True)
+    closed.chmod(0o700)
+    checkout = closed / "supervisord-gpu"
+    cdir = rehearse_config_dir(tmp_path, cgroups, pd_profile(free_ports(5)), "server_startup = 0.3", user="nobody")
+    nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
+    script = (f"mount --bind {REPO} {checkout} && cd {checkout} && "
+              f"if {' '.join(nobody)} test -x {checkout}/.venv/bin/python3; then echo 'nobody enters the checkout: the test proves nothing'; exit 9; fi; "
+              f"exec {checkout}/.venv/bin/python3 -m supervisord_gpu.cli.gpusupctl rehearse pd --config-dir {cdir}")
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                       capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "passed through in a mount namespace" in out and "verified after stop: GPUs [0, 1] idle" in out, out
+    assert "PermissionError" not in out, out
+    assert not any(checkout.iterdir()), "the bind outlived the test's namespace"
+    # the sample generation through the router, whole (it was cut at 120 bytes, mid-number)
+    post = next(line for line in r.stdout.splitlines() if line.startswith("POST "))
+    answer = json.loads(post.split(" -> 200 ", 1)[1])
+    assert answer["text"] and answer["meta_info"]["completion_tokens"] == 8, post
+
+
+def test_a_checkout_closed_to_the_servers_user_itself_is_one_line_exit_2(tmp_path, cgroups):
+    """The tmpfs cannot open a path that is itself 0700: say so, start nothing."""
+    from supervisord_gpu.errors import UsageError
+    from supervisord_gpu.rehearsal.reach import plan
+
+    closed = tmp_path / "co"
+    closed.mkdir()
+    closed.chmod(0o700)
+    with pytest.raises(UsageError, match=rf"rehearsal: {closed} is not readable by nobody.*chmod o\+rx {closed}"):
+        plan([closed], ["nobody"])
+    assert plan([closed], ["root"]) == {}  # root passes anything: nothing to do
+    opened = tmp_path / "open"
+    opened.mkdir(mode=0o755)
+    opened.chmod(0o755)
+    top = next(a for a in reversed(opened.parents) if not a.stat().st_mode & 0o001)  # pytest's 0700 temp root
+    assert plan([opened, opened / ".", tmp_path / "open"], ["nobody"]) == {top: [opened]}

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from box import CONFIG, REPO, install
+from box import CONFIG, REPO, checkout_settings, install
 from support import wait_for
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
@@ -205,7 +205,7 @@ def install_package(ctr, deb: Path) -> None:  # type: ignore[no-untyped-def]
     # python3-etcd3gw, psutil, pydbus) still wins and only what Debian lacks comes from there.
     ctr.write_file("/usr/lib/python3/dist-packages/zz-tests-sglang-router.pth", sysconfig.get_paths()["purelib"] + "\n")
     # the checkout holding that environment, visible under the unit's PrivateTmp (CI clones into /tmp)
-    ctr.write_file("/etc/systemd/system/dsv4@.service.d/tests-checkout.conf", f"[Service]\nBindReadOnlyPaths={REPO}\n")
+    ctr.write_file("/etc/systemd/system/dsv4@.service.d/tests-checkout.conf", f"[Service]\n{checkout_settings()}")
 
 
 def install_checkout(ctr) -> None:  # type: ignore[no-untyped-def]
@@ -213,7 +213,7 @@ def install_checkout(ctr) -> None:  # type: ignore[no-untyped-def]
     install(ctr, startup=1.0)
     unit = (REPO / "units" / "gpusup-agent.service").read_text()
     unit = unit.replace("ExecStart=/usr/bin/supervisord-gpu agent", f"ExecStart={REPO}/.venv/bin/supervisord-gpu agent")
-    ctr.write_file(AGENT_UNIT, unit.replace("\n[Install]", f"\nBindReadOnlyPaths={REPO}\n\n[Install]", 1))
+    ctr.write_file(AGENT_UNIT, unit.replace("\n[Install]", f"\n{checkout_settings()}\n[Install]", 1))
 
 
 @contextlib.contextmanager

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.systemd]
+# The containers here install from the Debian mirror, so they share the host's network, and
+# with it the shipped profiles' ports: one test at a time (conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.systemd, pytest.mark.xdist_group("host-network")]
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "supervisord-gpu"
@@ -84,7 +86,7 @@ def test_lintian_reports_no_errors_or_warnings(deb: Path) -> None:
 def container(deb: Path, fresh_systemd_container):  # type: ignore[no-untyped-def]
     """A freshly booted Debian 12 with only the build directory bound in (at /debs), so
     nothing of ours is there but what the package installs; thrown away afterwards."""
-    c = fresh_systemd_container(binds=[(str(deb.parent), "/debs", True)])
+    c = fresh_systemd_container(binds=[(str(deb.parent), "/debs", True)], host_network=True)
     c.run(["apt-get", "-q", "update"], env=APT_ENV, timeout=300)
     return c
 

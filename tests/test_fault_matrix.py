@@ -50,7 +50,7 @@ from supervisord_gpu.checks.simgpu import SimulatedGpus
 from supervisord_gpu.engine.probe import http_status
 from supervisord_gpu.engine.states import State
 from supervisord_gpu.errors import StartError
-from support import alive, free_ports, make_instance, pd_profile, register_report, sim_holders, tune, with_env, write_config
+from support import alive, free_ports, make_instance, matrix_rows, pd_profile, sim_holders, tune, with_env, write_config
 
 SERVERS = ("prefill", "decode")
 GPU_OF = {"prefill": 0, "decode": 1}
@@ -122,12 +122,9 @@ NOT_APPLICABLE = [f"{t}-{f}-{p}" for t in TARGETS for f in FAULTS for p in PHASE
 RESULTS: list[tuple[str, str, str, float]] = []
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(autouse=True)
 def matrix_report(request):  # type: ignore[no-untyped-def]
-    register_report(request.config, "fault-matrix-report", lambda: (
-        f"fault matrix: {len(RESULTS)} of {len(CASES)} cases run ({len(NOT_APPLICABLE)} combinations not applicable)"),
-        RESULTS)
-    yield
+    yield from matrix_rows(request, RESULTS, f"fault matrix ({len(NOT_APPLICABLE)} combinations not applicable)", len(CASES))
 
 
 # --------------------------------------------------------------------------- helpers

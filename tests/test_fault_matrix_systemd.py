@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import pytest
 
 from box import REPO, box, ours, stand_ins  # noqa: F401  (box is a fixture)
-from support import register_report, tune, wait_for, with_env
+from support import matrix_rows, tune, wait_for, with_env
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 
@@ -94,11 +94,9 @@ CASES = generate()
 RESULTS: list[tuple[str, str, str, float]] = []
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(autouse=True)
 def matrix_report(request):  # type: ignore[no-untyped-def]
-    register_report(request.config, "fault-matrix-systemd-report",
-                    lambda: f"fault matrix under systemd: {len(RESULTS)} of {len(CASES)} cases run", RESULTS)
-    yield
+    yield from matrix_rows(request, RESULTS, "fault matrix under systemd", len(CASES))
 
 
 # --------------------------------------------------------------------------- helpers

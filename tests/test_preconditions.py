@@ -23,6 +23,8 @@ from supervisord_gpu.checks.preconditions import (
 from supervisord_gpu.checks.simgpu import SimulatedGpus
 from supervisord_gpu.errors import EXIT_PRECONDITIONS, PreconditionError
 
+from support import free_ports
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Holds simulated GPUs (when given any) and optionally listens on a port; prints its port.
@@ -71,11 +73,7 @@ def hog(tmp_path: Path, request: pytest.FixtureRequest):  # type: ignore[no-unty
 
 
 def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
 
 
 def req(gpus: set[int], *ports: tuple[str, int, str]) -> Requirement:

@@ -39,7 +39,7 @@ import pytest
 from supervisord_gpu.checks.simgpu import SimulatedGpus
 from supervisord_gpu.rehearsal import standin_router, standin_server
 from supervisord_gpu.sglang import exits, options
-from support import stop_process, wait_for
+from support import free_ports, stop_process, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -75,9 +75,7 @@ def have_real_router() -> bool:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
 
 
 def http(method: str, url: str, body: Any = None, timeout: float = 5.0) -> tuple[int, bytes]:

@@ -8,11 +8,10 @@ import time
 import urllib.error
 import urllib.request
 
-import socket
-
 import pytest
 
-from box import box, ours, stand_ins  # noqa: F401  (box is a fixture)
+from box import box, host_box, ours, stand_ins  # noqa: F401  (box, host_box are fixtures)
+from support import free_ports
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 
@@ -21,9 +20,7 @@ DECOY = ["systemd-run", "--unit=decoy", "--collect", "python3", "-c", "import ti
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
 
 
 def events(box, unit: str, event: str) -> list[dict]:  # type: ignore[no-untyped-def]
@@ -82,7 +79,9 @@ def scrape(port: int) -> str:
         return r.read().decode()
 
 
-def test_pd_to_tp4_and_back_in_order_verified_and_without_losing_a_request(box):
+@pytest.mark.xdist_group("host-network")  # the client loop runs on the host
+def test_pd_to_tp4_and_back_in_order_verified_and_without_losing_a_request(host_box):
+    box = host_box
     port = free_port()
     box.install(startup=1.0, metrics_port=port)
     # every generation takes 0.3 s (30 tokens x 10 ms), so requests are in flight when the router drains

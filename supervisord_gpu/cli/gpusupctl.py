@@ -165,6 +165,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     cfg = records.replace(cfg, cache_dir=runtime / "cache", rehearsal=rehearsal,
                               cgroup_root=cgroup_root, ownership=ownership)
     profile = load_profile(cfg, args.name)
+    _reach_from_servers(cfg, profile, args.config_dir)
     t0 = time.monotonic()
     out = sys.stdout
 
@@ -197,6 +198,21 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     return code
 
 
+def _reach_from_servers(cfg, profile, config_dir: str) -> None:  # type: ignore[no-untyped-def]
+    """The servers' users reach the code they run and the rehearsal's directories, wherever
+    the checkout lies (/root included): rehearsal/reach.py says how."""
+    from pathlib import Path
+
+    import supervisord_gpu
+    from ..rehearsal.reach import make_reachable
+
+    needed = [Path(sys.prefix), Path(supervisord_gpu.__file__).parent.parent, cfg.runtime_dir, Path(config_dir)]
+    covered = make_reachable(needed, {p.user for p in profile.processes if p.user})
+    if covered:
+        print(f"rehearsal: {', '.join(map(str, covered))} closed to the servers' user: passed through in a mount "
+              "namespace of the rehearsal's own (only the checkout and the rehearsal's directories are visible there)")
+
+
 def _forget_rehearsal(runtime) -> None:  # type: ignore[no-untyped-def]
     """The last rehearsal to end removes its state (simulated GPUs, private TMPDIRs): nothing of
     a rehearsal stays behind, even a failed one. The compile cache stays: it is a cache."""
@@ -222,9 +238,16 @@ def _demo_generate(url: str) -> str:
     req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
-            return f"{resp.status} {resp.read(120).decode(errors='replace')}"
+            status, body = resp.status, resp.read(DEMO_ANSWER_MAX)
     except Exception as e:  # a demo request: report, never fail the rehearsal on it
         return f"failed: {e}"
+    try:  # the whole answer, on one line: never cut in the middle of a number
+        return f"{status} {json.dumps(json.loads(body), ensure_ascii=False)}"
+    except ValueError:
+        return f"{status} {body.decode(errors='replace')!r}"
+
+
+DEMO_ANSWER_MAX = 65536  # a generation of 8 tokens answers in well under 1 KiB
 
 
 def _verify_clear(cfg, profile) -> int:  # type: ignore[no-untyped-def]

@@ -26,8 +26,11 @@ Boot
     ``systemd-nspawn -b --volatile=overlay`` with ``SYSTEMD_NSPAWN_UNIFIED_HIERARCHY=1`` (a
     pure cgroup2 tree inside), ``--register=no --keep-unit`` (no systemd on the host), the
     console in a log file. Every boot starts from the clean tree; writes go to a tmpfs and
-    vanish at stop. Several containers may run from one tree at once. The container shares
-    the host's network namespace.
+    vanish at stop. Several containers may run from one tree at once. The container has a
+    network of its own, loopback only (``--private-network``), so containers booted at once
+    by parallel tests each have their own ports; ``host_network=True`` shares the host's
+    (to reach the container's ports from the host, or the Debian mirror from inside), and
+    ``network_namespace`` joins one made by tests/rig/network.py.
 
 Commands inside go through ``nsenter -t <container PID 1> -a``; host-side D-Bus clients can
 use :attr:`SystemdContainer.bus_address`. A container is always stopped: by ``stop()``, the
@@ -36,7 +39,8 @@ context manager, an ``atexit`` hook, and - if the test process dies hard - by
 
 API (all of it typed; see the docstrings)::
 
-    SystemdContainer(*, binds=(), extra_packages=(), rootfs=None, name=None, boot_timeout=60.0)
+    SystemdContainer(*, binds=(), extra_packages=(), rootfs=None, name=None, boot_timeout=60.0,
+                     network_namespace=None, host_network=False)
         .boot() -> self / .stop(timeout=10.0) / with SystemdContainer(...) as c: ...
         .run(argv, check=True, timeout=60.0, input=None, user=None, env=None, cwd=None)
             -> subprocess.CompletedProcess[str]        (ContainerCommandError if check fails)
@@ -52,7 +56,7 @@ API (all of it typed; see the docstrings)::
     ensure_rootfs(extra_packages=()) -> Path; rootfs_path(); missing_tools(); require_rig()
 
 Each container gets a cgroup of its own under the host's cgroup2 mount
-(``supervisord-gpu-rig/ctr-NAME``): systemd-nspawn puts the container's tree in ``payload``
+(``supervisord-gpu-rig/ctr-PID-NAME``): systemd-nspawn puts the container's tree in ``payload``
 under its own cgroup, so two containers started from one cgroup would share one tree and
 see each other's units. Stopping kills whatever is left in that cgroup and removes it.
 
@@ -523,9 +527,16 @@ def _remove_cgroup(cg: Path, kill: bool) -> bool:
 
 
 def _sweep_rig_cgroups(top: Path) -> None:
-    """Remove empty cgroups left by containers of a process that died hard (EBUSY = live)."""
+    """Remove empty cgroups left by containers of a test process that died hard.
+
+    Each is named ctr-<creator pid>-<container>: one whose creator lives may be empty only
+    because its container is being started (mkdir, then nspawn joins it), so a sweep by a
+    parallel test worker must leave it alone."""
     if top.is_dir():
         for cg in top.glob("ctr-*"):
+            creator = cg.name.split("-")[1]
+            if creator.isdigit() and _alive(int(creator)):
+                continue
             if cg.is_dir() and not _cgroup_procs(cg):
                 _remove_cgroup(cg, kill=False)
 
@@ -591,11 +602,17 @@ class SystemdContainer:
         name: str | None = None,
         boot_timeout: float = 60.0,
         network_namespace: str | None = None,
+        host_network: bool = False,
     ) -> None:
         self.binds = [b if isinstance(b, Bind) else Bind(*b) for b in binds]
         #: an `ip netns` name: the container gets that network namespace (tests/rig/network.py)
-        #: instead of the host's
+        #: instead of a private one
         self.network_namespace = network_namespace
+        #: the host's network instead of a private loopback: only for a test that must reach
+        #: the container's ports from the host or the Debian mirror from the container. Two such
+        #: containers share the host's ports (30001 of the shipped profiles), so their tests
+        #: run one at a time (conftest.py: the xdist group "host-network").
+        self.host_network = host_network
         self.extra_packages = list(extra_packages)
         self.rootfs = Path(rootfs) if rootfs is not None else None
         self.name = name or f"sgt-{uuid.uuid4().hex[:10]}"
@@ -629,7 +646,7 @@ class SystemdContainer:
         mount = cgroup2_mount()
         if mount is not None:
             _sweep_rig_cgroups(mount / RIG_CGROUP)
-            self._cgroup = mount / RIG_CGROUP / f"ctr-{self.name}"
+            self._cgroup = mount / RIG_CGROUP / f"ctr-{os.getpid()}-{self.name}"
             self._cgroup.mkdir(parents=True, exist_ok=True)
         else:
             _log("no writable cgroup2 mount: containers started together will share a cgroup")
@@ -637,7 +654,7 @@ class SystemdContainer:
             "systemd-nspawn", "-b", "-D", str(self.rootfs), "-M", self.name,
             "--register=no", "--keep-unit", "--console=pipe", "--volatile=overlay",
             *(b.nspawn_arg() for b in self.binds),
-            *([f"--network-namespace-path=/run/netns/{self.network_namespace}"] if self.network_namespace else []),
+            *self._network_args(),
         ]  # fmt: skip
         t0 = time.monotonic()
         with open(self.console_log_path, "wb") as log:
@@ -667,6 +684,12 @@ class SystemdContainer:
             raise
         self.boot_seconds = time.monotonic() - t0
         return self
+
+    def _network_args(self) -> list[str]:
+        """A private loopback by default: tests running in parallel each get their own 30001."""
+        if self.network_namespace:
+            return [f"--network-namespace-path=/run/netns/{self.network_namespace}"]
+        return [] if self.host_network else ["--private-network"]
 
     def stop(self, timeout: float = 10.0) -> None:
         """Halt the container: SIGTERM to nspawn (clean halt), then SIGKILL after ``timeout``."""
