@@ -13,7 +13,7 @@ TEST_APT_PKGS = systemd-container debootstrap dbus prometheus etcd-server openss
 TEST_SERVICES = etcd.service prometheus.service prometheus-node-exporter.service
 STAMP   = $(VENV)/.installed
 
-.PHONY: rehearse rehearse-cluster test setup test-setup lint bench deb clean
+.PHONY: rehearse rehearse-cluster test check setup test-setup lint bench deb clean
 
 $(STAMP): pyproject.toml
 	@if [ "$$(id -u)" = 0 ] && ! dpkg -s $(APT_PKGS) >/dev/null 2>&1; then \
@@ -47,10 +47,22 @@ rehearse: $(STAMP)
 rehearse-cluster: test-setup
 	$(VENV)/bin/python tests/cluster_rehearsal.py
 
-test: test-setup lint
-	$(VENV)/bin/python -m pytest -q -rs --durations=25
+# The suite in two tiers. `make check` first: lint, types and the fast tests (no server, no
+# container; tests/conftest.py names them), well under a minute, so a broken import fails there. Then the
+# rest, which mostly waits (for servers, for systemd), in TEST_WORKERS parallel workers;
+# the tests that must share the host's network run one at a time (xdist group host-network).
+# From a checkout nobody may enter (/root), the tests that run servers or attackers as nobody
+# run in a mount namespace where it may (supervisord_gpu/rehearsal/reach.py); elsewhere a no-op.
+TEST_WORKERS ?= 4
+REACH = $(VENV)/bin/python -m supervisord_gpu.rehearsal.reach nobody,$(SERVER_USER) $(CURDIR) --
 
-# A linter and a type checker over the product code; any finding fails `make test`.
+test: test-setup check
+	$(REACH) $(VENV)/bin/python -m pytest -q -rs -m "not fast" -n $(TEST_WORKERS) --dist loadgroup --durations=25
+
+check: lint
+	$(REACH) $(VENV)/bin/python -m pytest -q -rs -m fast --durations=5
+
+# A linter and a type checker over the product code; any finding fails `make check`.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check supervisord_gpu
 	$(VENV)/bin/mypy

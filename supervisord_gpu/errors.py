@@ -88,9 +88,14 @@ class BusError(SupervisorError):
 
 
 class OperationFailed(SupervisorError):
-    """A start, stop or call that was accepted but did not succeed."""
+    """A start, stop or call that was accepted but did not succeed. `name`: the D-Bus error
+    name when a bus call failed (bus/errors.py), what callers decide on, never the text."""
 
     exit_code = EXIT_FAILED
+
+    def __init__(self, message: str = "", name: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
 
 
 class PermissionDenied(SupervisorError):

@@ -19,6 +19,24 @@ def pytest_configure(config):  # type: ignore[no-untyped-def]
     config.pluginmanager.register(MatrixTables(), "fault-matrix-tables")
 
 
+# The fast tier, `make check` (first in `make test`): modules whose tests start no server and
+# boot nothing (a few start a short-lived helper: a listener, a child as nobody); about 30 s
+# on the 2-core CI machine. The rest runs after it, in parallel workers.
+FAST_MODULES = frozenset({
+    "test_records", "test_config", "test_fuzz", "test_status_view", "test_child_output",
+    "test_liveness_rules", "test_checks_gpus", "test_checks_ports", "test_preconditions",
+    "test_units_offline", "test_shm_cleanup", "test_trust_boundaries", "test_runtime_trust",
+    "test_cluster_config", "test_cluster_plan", "test_cluster_records", "test_cluster_fuzz",
+    "test_cluster_failures", "test_bus_errors",
+})
+
+
+def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
+    for item in items:
+        if item.path.stem in FAST_MODULES:
+            item.add_marker(pytest.mark.fast)
+
+
 @pytest.fixture
 def cgroups():  # type: ignore[no-untyped-def]
     try:

@@ -149,3 +149,27 @@ def test_a_checkout_closed_to_the_servers_user_itself_is_one_line_exit_2(tmp_pat
     opened.chmod(0o755)
     top = next(a for a in reversed(opened.parents) if not a.stat().st_mode & 0o001)  # pytest's 0700 temp root
     assert plan([opened, opened / ".", tmp_path / "open"], ["nobody"]) == {top: [opened]}
+
+
+def test_reach_runs_a_command_where_nobody_reaches_a_dir_under_a_closed_one(tmp_path):
+    """What `make test` wraps its pytest in (a checkout in /root): the command sees the dir at
+    its own path, passes the closed ancestor, and sees nothing else of it."""
+    if os.geteuid() != 0:
+        pytest.skip("only root may enter a mount namespace and mount")
+    opened = tmp_path / "closed" / "open"
+    opened.mkdir(parents=True)
+    (tmp_path / "closed").chmod(0o700)
+    opened.chmod(0o755)
+    (opened / "code.py").write_text("print('reached')\n")
+    (tmp_path / "closed" / "secret").write_text("root's\n")
+    nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
+    probe = [*nobody, "sh", "-c", f"cat {opened}/code.py; cat {tmp_path}/closed/secret 2>/dev/null || echo 'no secret'"]
+    plain = subprocess.run(probe, capture_output=True, text=True)
+    assert "reached" not in plain.stdout, "nobody reached it anyway: the test proves nothing"
+    reach = [sys.executable, "-m", "supervisord_gpu.rehearsal.reach", "nobody", str(opened), "--"]
+    r = subprocess.run([*reach, *probe], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0 and r.stdout.split() == ["print('reached')", "no", "secret"], r.stdout + r.stderr
+    assert "passed through for nobody" in r.stderr, r.stderr
+    assert (tmp_path / "closed" / "secret").exists()  # the host's view is untouched
+    bad = subprocess.run([*reach[:-1]], capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and bad.stderr.startswith("usage:"), bad.stderr

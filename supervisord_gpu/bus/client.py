@@ -14,6 +14,7 @@ from typing import Any
 from ..errors import BusError, OperationFailed, PermissionDenied
 from ..ownership.names import service_name
 from . import names
+from .errors import DENIED, NOT_ANSWERING, error_name, first_line
 
 
 class InstanceClient:
@@ -31,12 +32,12 @@ class InstanceClient:
             reply = self.con.call_sync(names.bus_name(self.instance), names.OBJECT_PATH, names.INTERFACE, method,
                                        params, None, 0, timeout_ms, None)
         except GLib.Error as e:
-            text = str(e).splitlines()[0] if str(e) else e.__class__.__name__
-            if "AccessDenied" in text:
+            text, name = first_line(e), error_name(e)
+            if name in DENIED:
                 raise PermissionDenied(text) from None
-            if "ServiceUnknown" in text or "NoReply" in text or "Timeout" in text:
+            if name in NOT_ANSWERING:
                 raise BusError(f"daemon of {self.instance} not answering on {names.bus_name(self.instance)}: {text}") from None
-            raise OperationFailed(text) from None
+            raise OperationFailed(text, name) from None
         return reply.unpack()[0]
 
     def status(self) -> dict[str, Any]:

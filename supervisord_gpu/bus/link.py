@@ -15,27 +15,17 @@ a private connection of its own with exit-on-close off, and replaces it when it 
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import BusError
+from .errors import first_line as _first_line
 
 Say = Callable[[str, int], None]
 BACKOFF_S = (0.5, 5.0)
 
 
-def _first_line(e: BaseException) -> str:
-    """The first line of a bus error in plain words: GLib's str(GError) is
-    "g-io-error-quark: Could not connect: No such file or directory (1)"; the domain and
-    the code are for programs, the words between them are what an operator reads."""
-    text = str(e)
-    line = text.splitlines()[0] if text else e.__class__.__name__
-    return _GERROR.sub(r"\1", line)
-
-
-_GERROR = re.compile(r"^[a-z0-9-]+-quark: (.*?)(?: \(\d+\))?$")
 
 
 def open_connection() -> Any:

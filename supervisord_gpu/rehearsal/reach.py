@@ -146,3 +146,45 @@ def make_reachable(needed: Iterable[Path], users: Iterable[str]) -> list[Path]:
     except OSError:
         os.chdir("/")
     return sorted(tops)
+
+
+def main(argv: Sequence[str]) -> int:
+    """python -m supervisord_gpu.rehearsal.reach USER[,USER...] DIR... -- COMMAND [ARG...]
+
+    COMMAND run where each USER reaches each DIR (the test suite from a checkout in /root:
+    its tests run servers and attackers as nobody from this checkout's .venv)."""
+    import sys
+
+    if "--" not in argv or argv.index("--") < 2 or argv.index("--") == len(argv) - 1:
+        print("usage: python -m supervisord_gpu.rehearsal.reach USER[,USER...] DIR... -- COMMAND [ARG...]", file=sys.stderr)
+        return 2
+    split = argv.index("--")
+    users = [u for u in argv[0].split(",") if u]
+    command = list(argv[split + 1:])
+    if os.geteuid() != 0:  # only root can: anyone else runs COMMAND as it is (their tests skip the rest)
+        os.execvp(command[0], command)
+    try:
+        known = [u for u in users if _exists(u)]
+        covered = make_reachable([Path(d) for d in argv[1:split]], known)
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if covered:
+        print(f"reach: {', '.join(map(str, covered))} passed through for {', '.join(known)} in a mount namespace of its own",
+              file=sys.stderr)
+    os.execvp(command[0], command)
+    return 127  # not reached
+
+
+def _exists(user: str) -> bool:
+    try:
+        pwd.getpwnam(user)
+    except KeyError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from ..records import dataclass
 from typing import Any
 
+from ..bus.errors import ALREADY_SUBSCRIBED, DENIED, NO_SUCH_UNIT, NO_UNIT_FOR_PID, error_name, first_line
 from ..errors import BusError, OperationFailed, PermissionDenied
 from ..ownership.names import INSTANCE_NAME_RE, UNIT_PREFIX, service_name
 
@@ -84,11 +85,6 @@ def connect() -> Any:
     return system_bus().con
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e)
-    return text.splitlines()[0] if text else e.__class__.__name__
-
-
 class Systemd:
     """systemd's manager over the system bus. Thread-safe (GDBus connections are).
 
@@ -115,13 +111,13 @@ class Systemd:
         try:
             reply = self.con.call_sync(BUS, path, iface, method, params, None, 0, timeout_ms, None)
         except GLib.Error as e:
-            text = _first_line(e)
+            text, name = first_line(e), error_name(e)
             what = f"{method} of {args[0]}" if args and isinstance(args[0], str) and iface == MANAGER else method
-            if "AccessDenied" in text or "Interactive authentication required" in text or "not authorized" in text.lower():
+            if name in DENIED:
                 raise PermissionDenied(f"{what} refused: {text}") from None
-            if "NoSuchUnit" in text:
+            if name == NO_SUCH_UNIT:
                 raise LookupError(text) from None
-            raise OperationFailed(f"{what} failed: {text}") from None
+            raise OperationFailed(f"{what} failed: {text}", name) from None
         return tuple(reply.unpack()) if reply is not None else ()
 
     def manager(self, method: str, signature: str | None = None, args: tuple = ()) -> tuple:
@@ -162,7 +158,7 @@ class Systemd:
         except LookupError:
             return None
         except OperationFailed as e:
-            if "NoUnitForPID" in str(e):
+            if e.name == NO_UNIT_FOR_PID:
                 return None
             raise
 
@@ -216,7 +212,7 @@ class Systemd:
         try:
             self.manager("Subscribe")
         except OperationFailed as e:
-            if "AlreadySubscribed" not in str(e) and "already subscribed" not in str(e):
+            if e.name not in ALREADY_SUBSCRIBED:
                 raise
 
     def run_job(self, method: str, unit: str, args: tuple = ("replace",), signature: str = "ss", timeout: float = 900.0,
