@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import __version__
 from .common import guarded
 
 PROG = "supervisord-gpu"
@@ -12,7 +13,7 @@ PROG = "supervisord-gpu"
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Supervise one SGLang deployment (a profile) through cgroups.")
-    p.add_argument("--version", action="version", version="%(prog)s 0.1.0")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="run the instance NAME until stopped (what dsv4@NAME.service runs)")
     run.add_argument("name", metavar="NAME", help="profile name: profiles/NAME.toml in the config directory")

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from .. import __version__
 from .common import guarded
 
 PROG = "gpusupctl"
@@ -26,7 +27,7 @@ def parser() -> argparse.ArgumentParser:
         description="Inspect and control supervisord-gpu instances (dsv4@NAME.service).",
         epilog="exit codes: 0 ok, 1 operation failed, 2 bad usage or profile, 3 preconditions not met, 4 daemon or bus unreachable",
     )
-    p.add_argument("--version", action="version", version="%(prog)s 0.1.0")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     r = sub.add_parser("render", help="print each process's argv and environment in start order")
