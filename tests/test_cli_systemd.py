@@ -101,6 +101,13 @@ def test_polkit_lets_gpusup_members_manage_dsv4_units_and_nobody_else(polkit_box
     c.run([gpusupctl, "restart", "tp4-512k", "--wait"], user="alice", timeout=120)
     c.run([gpusupctl, "stop", "tp4-512k", "--wait"], user="alice", timeout=120)
     assert c.is_active("dsv4@tp4-512k") == "inactive"
+    # a profile that does not exist: polkit itself refuses the start (the daemon would refuse it
+    # too, but only once systemd had run it); stopping any dsv4@ name stays allowed
+    for verb in ("start", "restart"):
+        r = c.run(["systemctl", verb, "dsv4@no-such-profile"], user="alice", check=False)
+        assert r.returncode != 0 and ("Access denied" in r.stderr or "authentication" in r.stderr.lower()), r.stderr
+    assert c.systemctl("show", "-P", "InvocationID", "dsv4@no-such-profile").stdout.strip() == "", "systemd ran it"
+    assert c.run(["systemctl", "stop", "dsv4@no-such-profile"], user="alice", check=False).returncode == 0
 
 
 FORGE = """
