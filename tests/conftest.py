@@ -31,10 +31,30 @@ FAST_MODULES = frozenset({
 })
 
 
+# Modules whose tests share a module-scoped fixture (one booted container, one etcd, one
+# rehearsal that the tests walk through in order): under pytest-xdist each is one group, run
+# by one worker in file order, instead of a copy of the fixture per worker and tests out of order.
+SHARED_FIXTURE_MODULES = frozenset({"test_metrics", "test_cluster_tls", "test_restart_limit_systemd", "test_gpu_nvml"})
+
+
 def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
     for item in items:
         if item.path.stem in FAST_MODULES:
             item.add_marker(pytest.mark.fast)
+        if item.path.stem in SHARED_FIXTURE_MODULES and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+        elif item.path.stem not in FAST_MODULES:
+            shared = _module_scoped_fixtures(item)
+            if shared:
+                raise pytest.UsageError(f"{item.nodeid} uses the module-scoped fixture(s) {', '.join(shared)}: "
+                                        "add its module to SHARED_FIXTURE_MODULES in tests/conftest.py")
+
+
+def _module_scoped_fixtures(item) -> list[str]:  # type: ignore[no-untyped-def]
+    """Fixtures of `item` shared wider than one test but narrower than the session."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = getattr(info, "name2fixturedefs", {}) or {}
+    return sorted(name for name, chain in defs.items() if chain and chain[-1].scope in ("module", "class", "package"))
 
 
 @pytest.fixture
