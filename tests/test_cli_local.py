@@ -163,13 +163,19 @@ def test_reach_runs_a_command_where_nobody_reaches_a_dir_under_a_closed_one(tmp_
     (opened / "code.py").write_text("print('reached')\n")
     (tmp_path / "closed" / "secret").write_text("root's\n")
     nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
-    probe = [*nobody, "sh", "-c", f"cat {opened}/code.py; cat {tmp_path}/closed/secret 2>/dev/null || echo 'no secret'"]
+    probe = [*nobody, "sh", "-c", f"cat {opened}/code.py; cat {tmp_path}/closed/secret 2>/dev/null || echo 'no secret'; "
+             f"touch {tmp_path}/closed/planted 2>/dev/null && echo planted; true"]
     plain = subprocess.run(probe, capture_output=True, text=True)
     assert "reached" not in plain.stdout, "nobody reached it anyway: the test proves nothing"
     reach = [sys.executable, "-m", "supervisord_gpu.rehearsal.reach", "nobody", str(opened), "--"]
-    r = subprocess.run([*reach, *probe], capture_output=True, text=True, cwd=REPO)
+    # under umask 000: the dirs reach makes on its tmpfs are 0711 still, nobody plants nothing there
+    r = subprocess.run([*reach, *probe], capture_output=True, text=True, cwd=REPO, preexec_fn=lambda: os.umask(0))
     assert r.returncode == 0 and r.stdout.split() == ["print('reached')", "no", "secret"], r.stdout + r.stderr
     assert "passed through for nobody" in r.stderr, r.stderr
     assert (tmp_path / "closed" / "secret").exists()  # the host's view is untouched
     bad = subprocess.run([*reach[:-1]], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and bad.stderr.startswith("usage:"), bad.stderr
+    missing = subprocess.run([*reach, "no-such-command"], capture_output=True, text=True, cwd=REPO)
+    assert missing.returncode == 2 and missing.stderr.strip() == "reach: no-such-command: command not found", missing.stderr
+    stranger = subprocess.run([*reach[:4], "no-such-user,nobody", *reach[5:], "true"], capture_output=True, text=True, cwd=REPO)
+    assert stranger.returncode == 0 and "reach: no such user: no-such-user (skipped)" in stranger.stderr, stranger.stderr

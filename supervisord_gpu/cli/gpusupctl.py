@@ -206,9 +206,14 @@ def _reach_from_servers(cfg, profile, config_dir: str) -> None:  # type: ignore[
 
     import supervisord_gpu
     from ..rehearsal.reach import make_reachable
+    from ..errors import UsageError
 
-    needed = [Path(sys.prefix), Path(supervisord_gpu.__file__).parent.parent, cfg.runtime_dir, Path(config_dir)]
-    covered = make_reachable(needed, {p.user for p in profile.processes if p.user})
+    needed = [Path(sys.prefix), Path(sys.base_prefix), Path(supervisord_gpu.__file__).parent.parent,
+              cfg.runtime_dir, Path(config_dir)]
+    try:
+        covered = make_reachable(needed, {p.user for p in profile.processes if p.user})
+    except OSError as e:  # a mount refused (no CAP_SYS_ADMIN in a container): one line, nothing started
+        raise UsageError(f"rehearsal: cannot make the checkout reachable for the servers' user: {e.strerror}") from None
     if covered:
         print(f"rehearsal: {', '.join(map(str, covered))} closed to the servers' user: passed through in a mount "
               "namespace of the rehearsal's own (only the checkout and the rehearsal's directories are visible there)")

@@ -20,9 +20,9 @@ from __future__ import annotations
 import ctypes
 import os
 import pwd
+import shutil
 import stat
 import tempfile
-import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -73,11 +73,14 @@ def plan(needed: Iterable[Path], users: Iterable[str]) -> dict[Path, list[Path]]
 
     Raises UsageError when a needed path is itself closed to a user (the tmpfs cannot help:
     the path keeps its own mode)."""
-    accounts = [Account(u) for u in sorted(set(users)) if u != "root"]
+    # a user that does not exist is not ours to name here: the profile's render refuses it,
+    # one line naming the key (config/render.py)
+    accounts = [Account(u) for u in sorted(set(users)) if u != "root" and _exists(u)]
     if not accounts:
         return {}
     tops: dict[Path, list[Path]] = {}
-    for p in _outermost(Path(os.path.abspath(n)) for n in needed):
+    # the real path: what a bind mounts (mount(2) follows links), and where its ancestors are
+    for p in _outermost(Path(os.path.realpath(n)) for n in needed):
         if not p.is_dir():
             raise UsageError(f"rehearsal: {p} is not a directory")
         for acct in accounts:
@@ -98,6 +101,7 @@ def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
     libc.unshare.argtypes = [ctypes.c_int]
+    libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
     return libc
 
 
@@ -111,8 +115,8 @@ def make_reachable(needed: Iterable[Path], users: Iterable[str]) -> list[Path]:
     """Enter a private mount namespace in which `users` reach every directory in `needed`; return
     the ancestors covered (none: nothing was done, the namespace is the host's).
 
-    Must run as root before any thread starts (unshare(CLONE_NEWNS) refuses a threaded
-    process, and a thread would keep the host's view)."""
+    Must run as root before any thread starts: a thread already running keeps the host's
+    view (unshare applies to the calling thread), so what it started could not reach."""
     tops = plan(needed, users)
     if not tops:
         return []
@@ -120,32 +124,53 @@ def make_reachable(needed: Iterable[Path], users: Iterable[str]) -> list[Path]:
         some = next(iter(tops.values()))[0]
         raise UsageError(f"rehearsal: {some} lies under {next(iter(tops))}, which the servers' user cannot enter; "
                           "run the rehearsal as root (it then makes the path reachable in its own mount namespace)")
-    if threading.active_count() != 1:
-        raise RuntimeError("make_reachable() must run before any thread starts")
+    if len(os.listdir("/proc/self/task")) != 1:  # every thread, not only Python's
+        raise UsageError("rehearsal: cannot enter a mount namespace of its own once threads run (a bug: say so)")
+    base = "/run" if os.path.isdir("/run") else tempfile.gettempdir()
+    if any(Path(base).is_relative_to(top) for top in tops):
+        raise UsageError(f"rehearsal: {base} itself is closed to the servers' user; nothing to stand on")
     libc = _libc()
     _call("unshare(CLONE_NEWNS)", libc.unshare(CLONE_NEWNS))
     _call("make / private", libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None))
     cwd = os.getcwd()
-    stash = Path(tempfile.mkdtemp(prefix="supervisord-gpu-reach-", dir="/run" if os.path.isdir("/run") else None))
-    for top, paths in sorted(tops.items()):
-        held = []
-        for i, p in enumerate(paths):  # each needed path held aside on a bind of its own ...
-            aside = stash / str(i)
-            aside.mkdir()
-            _call(f"bind {p}", libc.mount(bytes(p), bytes(aside), None, MS_BIND | MS_REC, None))
-            held.append((aside, p))
-        # ... the closed ancestor covered by an empty tmpfs that anyone may pass, not list ...
-        _call(f"tmpfs over {top}", libc.mount(b"tmpfs", bytes(top), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=0711,size=1m"))
-        for aside, p in held:  # ... and each path moved back to where it was (its mount point
-            p.mkdir(parents=True, exist_ok=True)  # and the dirs above it: empty, on the tmpfs)
-            _call(f"move {p} back", libc.mount(bytes(aside), bytes(p), None, MS_MOVE, None))
-            aside.rmdir()
-    stash.rmdir()
+    stash = Path(tempfile.mkdtemp(prefix="supervisord-gpu-reach-", dir=base))
+    try:
+        for top, paths in sorted(tops.items()):
+            _cover(libc, stash, top, paths)
+    finally:  # on the host's filesystem: never left behind, even when a mount failed
+        for leftover in sorted(stash.iterdir(), reverse=True):
+            libc.umount2(bytes(leftover), 2)  # MNT_DETACH: only this namespace has it
+            leftover.rmdir()
+        stash.rmdir()
     try:
         os.chdir(cwd)  # the namespace's view of where we were
     except OSError:
         os.chdir("/")
     return sorted(tops)
+
+
+def _cover(libc: ctypes.CDLL, stash: Path, top: Path, paths: list[Path]) -> None:
+    """Each of `paths` held aside on a bind of its own, `top` covered by an empty tmpfs that
+    anyone may pass but not list, and each path moved back to where it was."""
+    held = []
+    for i, p in enumerate(paths):
+        aside = stash / str(i)
+        aside.mkdir()
+        _call(f"bind {p}", libc.mount(bytes(p), bytes(aside), None, MS_BIND | MS_REC, None))
+        held.append((aside, p))
+    _call(f"tmpfs over {top}", libc.mount(b"tmpfs", bytes(top), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=0711,size=1m"))
+    for aside, p in held:
+        for d in reversed(p.relative_to(top).parents[:-1] if p != top else []):
+            _mkdir_0711(top / d)  # the empty dirs on the way: passable, not listable, whatever the umask
+        _mkdir_0711(p)  # the mount point
+        _call(f"move {p} back", libc.mount(bytes(aside), bytes(p), None, MS_MOVE, None))
+        aside.rmdir()
+
+
+def _mkdir_0711(d: Path) -> None:
+    if not d.exists():
+        d.mkdir()
+        os.chmod(d, 0o711)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -161,13 +186,19 @@ def main(argv: Sequence[str]) -> int:
     split = argv.index("--")
     users = [u for u in argv[0].split(",") if u]
     command = list(argv[split + 1:])
-    if os.geteuid() != 0:  # only root can: anyone else runs COMMAND as it is (their tests skip the rest)
+    if os.geteuid() != 0 and shutil.which(command[0]) is not None:  # only root can: anyone else runs COMMAND as it is (their tests skip the rest)
         os.execvp(command[0], command)
+    if shutil.which(command[0]) is None:
+        print(f"reach: {command[0]}: command not found", file=sys.stderr)
+        return 2
+    unknown = [u for u in users if not _exists(u)]
+    if unknown:
+        print(f"reach: no such user: {', '.join(unknown)} (skipped)", file=sys.stderr)
+    known = [u for u in users if _exists(u)]
     try:
-        known = [u for u in users if _exists(u)]
         covered = make_reachable([Path(d) for d in argv[1:split]], known)
-    except UsageError as e:
-        print(e, file=sys.stderr)
+    except (UsageError, OSError) as e:
+        print(f"reach: {e}", file=sys.stderr)
         return 2
     if covered:
         print(f"reach: {', '.join(map(str, covered))} passed through for {', '.join(known)} in a mount namespace of its own",
