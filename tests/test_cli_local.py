@@ -177,5 +177,5 @@ def test_reach_runs_a_command_where_nobody_reaches_a_dir_under_a_closed_one(tmp_
     assert bad.returncode == 2 and bad.stderr.startswith("usage:"), bad.stderr
     missing = subprocess.run([*reach, "no-such-command"], capture_output=True, text=True, cwd=REPO)
     assert missing.returncode == 2 and missing.stderr.strip() == "reach: no-such-command: command not found", missing.stderr
-    stranger = subprocess.run([*reach[:4], "no-such-user,nobody", *reach[5:], "true"], capture_output=True, text=True, cwd=REPO)
+    stranger = subprocess.run([*reach[:3], "no-such-user,nobody", *reach[4:], "true"], capture_output=True, text=True, cwd=REPO)
     assert stranger.returncode == 0 and "reach: no such user: no-such-user (skipped)" in stranger.stderr, stranger.stderr
