@@ -186,7 +186,7 @@ def tuned_profiles(box, case: Case) -> None:  # type: ignore[no-untyped-def]
             for s in ("prefill", "decode"):
                 pd = with_env(pd, s, SUPERVISORD_GPU_STANDIN_STARTUP_S="2")
     elif p == "ready" and f == "crash":
-        pd = with_env(pd, t, **{fault: "crash-after-ready:3"})
+        pd = with_env(pd, t, **{fault: "crash-after-ready:6"})  # past the rest of the start, on a loaded machine
     elif p == "stopping":
         if t == "daemon":
             pd = with_env(pd, "prefill", **{fault: "exit-on-term-slow:3"})
@@ -275,7 +275,7 @@ def inject_ready(box, case: Case) -> str:  # type: ignore[no-untyped-def]
         return f"killed: unit {box.is_active(unit(PD))} (Result=signal)"
     old_main, old_sched = main_pid(box, PD, t), schedulers(box, PD, t)
     if f == "crash":
-        wait_for(lambda: box.is_active(unit(PD)) == "failed", 60, "the restart limit")
+        wait_for(lambda: box.is_active(unit(PD)) == "failed", 90, "the restart limit")
         status = show(box, PD, "StatusText")
         assert status.startswith(f"failed: {t} crashed: SGLang killed itself after a scheduler failed"), status
         assert "restart limit reached (2/2" in status, status

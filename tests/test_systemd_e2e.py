@@ -182,8 +182,9 @@ def test_a_server_that_kills_its_process_group_is_restarted_its_errors_are_error
     path = "/etc/supervisord-gpu/profiles/tp4-512k.toml"
     box.write_file(path, box.read_file(path).replace("max_restarts = 5", "max_restarts = 1").replace(
         "[servers.server.options]", '[servers.server.env]\nSGLANG_KILLPG_ON_SCHEDULER_EXCEPTION = "1"\n'
-        'SUPERVISORD_GPU_STANDIN_FAULT = "crash-after-ready:2"\n[servers.server.options]'))
-    box.systemctl("start", "dsv4@tp4-512k", timeout=90)
+        'SUPERVISORD_GPU_STANDIN_FAULT = "crash-after-ready:6"\n[servers.server.options]'))  # after the router is up, however loaded
+    started = box.systemctl("start", "dsv4@tp4-512k", timeout=90, check=False)
+    assert started.returncode == 0, box.journal("dsv4@tp4-512k")[-4000:]
     daemon = box.systemctl("show", "-P", "MainPID", "dsv4@tp4-512k").stdout.strip()
     wait_for(lambda: "restart 1/1" in box.journal("dsv4@tp4-512k"), 30, "the first restart")
     assert box.systemctl("show", "-P", "MainPID", "dsv4@tp4-512k").stdout.strip() == daemon  # the group kill missed it
