@@ -186,15 +186,14 @@ def main(argv: Sequence[str]) -> int:
     split = argv.index("--")
     users = [u for u in argv[0].split(",") if u]
     command = list(argv[split + 1:])
-    if os.geteuid() != 0 and shutil.which(command[0]) is not None:  # only root can: anyone else runs COMMAND as it is (their tests skip the rest)
-        os.execvp(command[0], command)
     if shutil.which(command[0]) is None:
         print(f"reach: {command[0]}: command not found", file=sys.stderr)
         return 2
-    unknown = [u for u in users if not _exists(u)]
-    if unknown:
-        print(f"reach: no such user: {', '.join(unknown)} (skipped)", file=sys.stderr)
+    if os.geteuid() != 0:  # only root can: anyone else runs COMMAND as it is (their tests skip the rest)
+        os.execvp(command[0], command)
     known = [u for u in users if _exists(u)]
+    if len(known) < len(users):
+        print(f"reach: no such user: {', '.join(u for u in users if u not in known)} (skipped)", file=sys.stderr)
     try:
         covered = make_reachable([Path(d) for d in argv[1:split]], known)
     except (UsageError, OSError) as e:
