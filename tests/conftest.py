@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from support import CgroupSandbox, MatrixTables, start_decoy
+from support import CgroupSandbox, GroupsHold, MatrixTables, start_decoy
 
 
 def pytest_configure(config):  # type: ignore[no-untyped-def]
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     config.pluginmanager.register(MatrixTables(), "fault-matrix-tables")
+    config.pluginmanager.register(GroupsHold(), "xdist-groups-hold")
 
 
 # The fast tier, `make check` (first in `make test`): modules whose tests start no server and
@@ -37,6 +38,7 @@ FAST_MODULES = frozenset({
 SHARED_FIXTURE_MODULES = frozenset({"test_metrics", "test_cluster_tls", "test_restart_limit_systemd", "test_gpu_nvml"})
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads xdist_group marks into node ids
 def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
     for item in items:
         if item.path.stem in FAST_MODULES:
