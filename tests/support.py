@@ -17,8 +17,6 @@ import time
 import uuid
 from pathlib import Path
 
-import pytest
-
 from supervisord_gpu.checks.simgpu import SimulatedGpus
 from supervisord_gpu.config.loader import load_daemon_config, load_profile
 from supervisord_gpu.daemon import RunOptions, build_instance
@@ -379,27 +377,6 @@ class MatrixTables:
             for case, final, leftovers, took in rows:
                 tr.write_line(f"{case:<{width}}  {final[:60]:<60}  {leftovers:<10}  {took:5.1f} s")
             tr.write_line(f"total {sum(r[3] for r in rows):.1f} s")
-
-
-class GroupsHold:
-    """Refuses a worker's collection where `--dist loadgroup` would not keep a group together.
-
-    xdist carries a test's group to its scheduler as a suffix of the node id; pytest 9.2 made
-    node ids structured and the suffix silently stopped taking effect (pytest-xdist#1386), so
-    a module's shared container and the host-network tests were spread over workers, out of
-    order. One line naming the versions instead of tests that fail by chance.
-    """
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, config, items) -> None:  # type: ignore[no-untyped-def]
-        if not getattr(config.option, "loadgroup", False):  # set on xdist workers only
-            return
-        lost = [i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
-        if lost:
-            why = (f"--dist loadgroup does not group here (pytest {pytest.__version__}): {lost[0]} "
-                   f"and {len(lost) - 1} more carry an xdist_group mark but no group; pin pytest as pyproject.toml does")
-            print(why, file=sys.stderr)  # a worker's error reaches the terminal as an INTERNALERROR without it
-            raise pytest.UsageError(why)
 
 
 # --------------------------------------------------------------------------- traffic
