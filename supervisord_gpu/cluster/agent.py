@@ -93,6 +93,9 @@ class NodeAgent:
         with its traceback and the loop goes on (a plan is never retried: its id is done)."""
         try:
             current = self.store.current()
+            # the watch follows on from this read, not from the last read of carrying it out:
+            # a transition written meanwhile is taken up at once, not at the next change
+            read = self.store.last_read()
             if current is not None and current[0] not in self.done:
                 tid, plan = current
                 self.done.add(tid)
@@ -101,7 +104,7 @@ class NodeAgent:
                     self.say(f"ignoring transition {tid}: {problem}", 3)
                 else:
                     self.carry_out(tid, plan)
-            self.store.watch_once(self.store.key("current"), max(0.5, self.cfg.cluster.lease_ttl_s / 3))
+            self.store.watch_once(self.store.key("current"), max(0.5, self.cfg.cluster.lease_ttl_s / 3), since=read)
         except ClusterUnavailable as e:
             self.say(f"{e}; no cross-node change can start, what runs keeps running", 4)
             self.stopping.wait(2.0)
@@ -172,6 +175,10 @@ class NodeAgent:
                     except (StepFailed, NodeLost, TimeoutError) as e:
                         self.say(f"transition {tid} to {plan.target} abandoned before step {step.number}: {e}", 4)
                         return
+                if not self._under_way(tid):
+                    self.say(f"transition {tid} to {plan.target} abandoned before step {step.number}: it is no "
+                             "longer under way (its coordinator's lease ended, or another transition replaced it)", 4)
+                    return
                 self.say(f"transition {tid} to {plan.target}: step {step.number}: {step.describe().splitlines()[0]}", 6)
                 result = self.do(step)
                 self.store.report(tid, step.number, self.node, result, self.lease)
@@ -180,6 +187,12 @@ class NodeAgent:
                     return
             previous = step
         self._release_if_finished(tid, plan)
+
+    def _under_way(self, tid: str) -> bool:
+        """`tid` is still the transition under way: `current` goes with its writer's lease, so a
+        coordinator that died (or gave up) takes its plan with it, and no later step begins."""
+        current = self.store.current()
+        return current is not None and current[0] == tid
 
     def _release_if_finished(self, tid: str, plan: ClusterPlan) -> None:
         """A plan nobody coordinates any more (a rollback) ends with its last step: whoever

@@ -65,6 +65,7 @@ async def prepare_cluster_start(part: Profile, cfg: DaemonConfig, inventory: Gpu
     say(plan.render(), 6)
     await asyncio.to_thread(store.put_plan, tid, plan.to_json(), gate.lease)
     done: list[Step] = []
+    step: Step | None = None
     try:
         for step in plan.steps:
             if step.action == "start":
@@ -79,6 +80,9 @@ async def prepare_cluster_start(part: Profile, cfg: DaemonConfig, inventory: Gpu
             done.append(step)
             say(f"cluster step {step.number} done on {', '.join(step.nodes())}", 6)
     except (StepFailed, NodeLost, StartError) as e:
+        if step is not None and step.action == "stop":  # where it did stop, it starts again
+            partly = await asyncio.to_thread(stopped_where_it_could, store, tid, step)
+            done += [partly] if partly is not None else []
         await asyncio.to_thread(roll_back, store, plan, done, me, False)
         stopped = any(s.action == "stop" for s in done)
         reason = (f"cluster transition to {part.name} failed: {e}"
@@ -86,6 +90,17 @@ async def prepare_cluster_start(part: Profile, cfg: DaemonConfig, inventory: Gpu
         raise (TakeoverFailed(reason) if stopped else PreconditionError(reason)) from None
     gate.transition = Transition(plan, tuple(done), me)
     asyncio.get_running_loop().create_task(_release_when_started(store, plan, tid, me, say, gate.closing))
+
+
+def stopped_where_it_could(store: ClusterStore, tid: str, step: Step) -> Step | None:
+    """The part of a stop step that failed which is to start again: the nodes that reported
+    it done (their part is stopped). Not the node whose stop failed: whether its unit still
+    runs is unknown (a refused stop left it running; the failure names the node and the
+    reason), and a start there is no rollback of anything we did. Nor a node lost on the way:
+    no agent there would carry its share out. None when no node reported it done."""
+    stopped = {n for n, r in store.reports(tid, step.number).items() if r.state == "done"}
+    work = tuple(w for w in step.work if w.node in stopped)
+    return Step(step.number, step.action, work) if work else None
 
 
 def _plan_agrees(store: ClusterStore, holder: LockRecord, instance: str, node: str) -> bool:

@@ -110,6 +110,7 @@ class ClusterGate:
         seen: dict[str, str] = {}
 
         def settled() -> dict[str, str] | None:
+            seen.clear()  # the latest read alone: a peer ready once whose daemon went is not ready
             seen.update(self.store.process_states(self.profile.name))
             return seen if all(seen.get(p) == "ready" for p in spec.peers_before_start) else None
 

@@ -204,10 +204,16 @@ class ClusterStore:
         """Instances with a live daemon whose processes are not all stopped, on any node."""
         return list(dict.fromkeys(r.instance for r in self.processes() if r.state not in ("stopped", "failed")))
 
-    def watch_once(self, prefix: str, timeout: float) -> None:
-        """Return at the first change under `prefix` since this thread's last read (at once if
-        there was one meanwhile), or after `timeout`."""
-        since = getattr(self._seen, "revision", 0)
+    def last_read(self) -> int:
+        """The revision of this thread's last read (0 before any): a later watch can follow on
+        from it although other reads came between."""
+        return int(getattr(self._seen, "revision", 0))
+
+    def watch_once(self, prefix: str, timeout: float, since: int | None = None) -> None:
+        """Return at the first change under `prefix` since this thread's last read, or since
+        the read of revision `since` (at once if there was one meanwhile), or after `timeout`."""
+        if since is None:
+            since = self.last_read()
         self._seen.revision = 0
         with self._talking(f"watching {prefix}"):
             self.kv.watch_once(prefix, timeout, since + 1 if since else 0)
