@@ -51,7 +51,8 @@ from support import CgroupSandbox, Recorder, free_ports, make_instance, write_co
 from supervisord_gpu.checks.ports import check_port
 from supervisord_gpu.checks.preconditions import wait_until_clear
 from supervisord_gpu.checks.simgpu import SimulatedGpus
-from supervisord_gpu.controller.preflight import inventory_for, requirement_for
+from supervisord_gpu.checks.preconditions import Requirement
+from supervisord_gpu.controller.preflight import inventory_for
 
 SIZES = [int(x) for x in os.environ.get("TEARDOWN_SIZES", "1,4,16").split(",")]
 RUNS = int(os.environ.get("TEARDOWN_RUNS", "3"))
@@ -169,7 +170,7 @@ SUPERVISORD_GPU_STANDIN_STARTUP_S = "{STARTUP_S}"{fault}
     if hasattr(instance.sink, "quiet_children"):
         instance.sink.quiet_children = True
     inventory = inventory_for(cfg, True)
-    req = requirement_for(instance.profile)
+    req = Requirement.of(instance.profile)
     sim = SimulatedGpus(tmp / "simgpu")
 
     async def go() -> dict[str, float | int | None]:

@@ -25,7 +25,7 @@ from .engine.instance import Instance
 from .errors import SupervisorError
 from .ownership import choose_driver
 from .systemd.journal import open_sink
-from .systemd.notify import Notifier, status_text
+from .api.notify import Notifier, status_text
 
 
 @dataclass
@@ -152,7 +152,7 @@ def start_bus(cfg: DaemonConfig, profile: Profile, controller: InstanceControlle
     if opts.bus == "off":
         return None
     try:
-        from .bus.service import BusService, Controls
+        from .api.service import BusService, Controls
     except ImportError as e:  # pydbus/PyGObject not installed (a bare GPU box): run without the bus
         sink.event(f"D-Bus API not available ({e}); running without it", 4)
         return None

@@ -12,7 +12,7 @@ import pytest
 
 from supervisord_gpu.checks.holders import Holder, describe_gpu_pid, describe_pid, parse_cgroup, shorten_cmdline
 from supervisord_gpu.checks.ports import _overlaps, check_port, check_ports, resolve
-from supervisord_gpu.ownership.names import Owner
+from supervisord_gpu.names import Owner
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -262,6 +262,6 @@ def test_an_ipv6_only_listener_on_the_wildcard_counts_against_an_ipv4_server(lis
     ("/system.slice/evil.service/dsv4-pd-1p1d-router.scope", None),
 ])
 def test_only_a_cgroup_where_only_root_can_put_it_counts_as_ours(path, owner) -> None:  # type: ignore[no-untyped-def]
-    from supervisord_gpu.ownership.names import owner_of_cgroup
+    from supervisord_gpu.names import owner_of_cgroup
 
     assert owner_of_cgroup(path) == owner

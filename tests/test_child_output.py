@@ -103,7 +103,7 @@ def test_a_status_naming_a_holder_in_utf8_reaches_the_notify_socket(tmp_path, mo
     a shortened command line ("python3 -c …") never reached systemd, which kept "starting"."""
     import socket
 
-    from supervisord_gpu.systemd.notify import Notifier
+    from supervisord_gpu.api.notify import Notifier
 
     path = str(tmp_path / "notify")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

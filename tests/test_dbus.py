@@ -163,8 +163,8 @@ def test_stop_from_root_stops_in_order_and_the_daemon_exits_cleanly(daemon):
 
 
 def test_the_policy_file_opens_exactly_the_read_methods():
-    from supervisord_gpu.bus.exports import exported_methods
-    from supervisord_gpu.bus.service import InstanceObject
+    from supervisord_gpu.api.exports import exported_methods
+    from supervisord_gpu.api.service import InstanceObject
 
     policy = (REPO / "etc" / "dbus-1" / "system.d" / "org.supervisordgpu.conf").read_text()
     reads = {n for n, (_i, _o, control) in exported_methods(InstanceObject).items() if not control}

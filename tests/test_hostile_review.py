@@ -303,8 +303,8 @@ def test_a_failed_restart_never_hands_the_childs_secret_to_every_local_user(tmp_
 
 
 def test_signals_and_unprivileged_replies_carry_the_first_line_privileged_ones_the_rest():
-    """The bus object fed what the engine says when a restart fails (bus/service.py only)."""
-    from supervisord_gpu.bus.service import InstanceObject, public_snapshot, public_text
+    """The bus object fed what the engine says when a restart fails (api/service.py only)."""
+    from supervisord_gpu.api.service import InstanceObject, public_snapshot, public_text
 
     why = (f"server: exited during start-up (exit code 1)\n  last error: api_key='{SECRET}' rejected\n"
            f"  last lines:\n    server_args=ServerArgs(api_key='{SECRET}')")
@@ -401,8 +401,8 @@ def test_oversize_string_arguments_are_refused_at_once_and_slow_nobody_down(tmp_
 
 def test_every_string_argument_of_every_method_is_bounded():
     """No exported method takes a string that reaches its body unchecked (exports.py does it)."""
-    from supervisord_gpu.bus.exports import MAX_STRING_BYTES, exported_methods
-    from supervisord_gpu.bus.service import InstanceObject
+    from supervisord_gpu.api.exports import MAX_STRING_BYTES, exported_methods
+    from supervisord_gpu.api.service import InstanceObject
 
     obj = InstanceObject("x", None, None, "gpusup-nonexistent-group", lambda _s: 0)  # type: ignore[arg-type]
     with_strings = [n for n, (insig, _o, _c) in exported_methods(InstanceObject).items() if "s" in insig]
@@ -494,7 +494,7 @@ def test_a_port_taken_while_the_servers_load_is_a_precondition_failure_not_a_ret
 
 
 def test_a_string_argument_of_any_future_method_is_bounded_by_the_decorator_alone():
-    from supervisord_gpu.bus.exports import ArgumentTooLong, export
+    from supervisord_gpu.api.exports import ArgumentTooLong, export
 
     class Obj:
         ran = 0

@@ -27,7 +27,7 @@ import pytest
 
 from supervisord_gpu.config.loader import load_daemon_config, load_profile
 from supervisord_gpu.config.render import render
-from supervisord_gpu.engine import router_key
+from supervisord_gpu.sglang import router_key
 from supervisord_gpu.engine.traffic import RouterWorkers
 from supervisord_gpu.rehearsal import standin_router, standin_server
 from support import free_ports, make_instance, wait_for, write_config
@@ -449,7 +449,7 @@ def test_a_process_of_the_routers_own_user_cannot_read_the_key_from_its_environm
     import sys
     import time
 
-    from supervisord_gpu.engine.router_key import KEY_ENV, ROUTER_SHIM
+    from supervisord_gpu.sglang.router_key import KEY_ENV, ROUTER_SHIM
 
     import shutil
     import tempfile

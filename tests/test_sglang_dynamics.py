@@ -25,7 +25,7 @@ import pytest
 
 from supervisord_gpu.engine.states import State
 from supervisord_gpu.errors import StartError
-from supervisord_gpu.systemd.notify import Notifier
+from supervisord_gpu.api.notify import Notifier
 from support import Recorder, RequestLoop, alive, free_ports, make_instance, pd_profile, wait_for, write_config
 
 pytestmark = pytest.mark.slow

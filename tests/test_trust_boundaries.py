@@ -193,7 +193,7 @@ def test_a_users_cgroup_named_like_ours_is_foreign_and_blocks_a_takeover(lookali
     from supervisord_gpu.controller.preflight import blocking_problems
 
     proc, port, deleg = lookalike
-    from supervisord_gpu.ownership.names import owner_of_cgroup
+    from supervisord_gpu.names import owner_of_cgroup
 
     assert owner_of_cgroup(describe_pid(proc.pid).cgroup) is not None  # the name alone says "ours": that was the hole
     assert describe_pid(proc.pid).owner is None  # every holder (ports and GPUs) is checked on disk
@@ -220,7 +220,7 @@ def test_a_cgroup_root_inside_a_users_delegated_subtree_is_refused(lookalike) ->
 
 def test_our_own_cgroupfs_tree_is_still_ours(cgroups) -> None:  # type: ignore[no-untyped-def]
     from supervisord_gpu.ownership.cgroupfs import CgroupfsDriver, root_only, verified_owner
-    from supervisord_gpu.ownership.names import Owner
+    from supervisord_gpu.names import Owner
 
     CgroupfsDriver(cgroups.root)
     group = cgroups.root / "pd-1p1d" / "router"

@@ -17,7 +17,7 @@ then drives the daemon and `gpusupctl` through each scenario and prints PASS/FAI
 per scenario. The daemon runs as the `daemon` subcommand of this file: `daemon.serve()`, the code
 path of `supervisord-gpu run NAME --stderr`, with its events also written as time-stamped JSON
 lines and a Unix socket standing in for the D-Bus methods the device machine cannot have
-(GetStatus; RestartProcess = `controller.submit(... restart_process ...)`, what bus/service.py
+(GetStatus; RestartProcess = `controller.submit(... restart_process ...)`, what api/service.py
 calls). `--code head` runs the supervisor of .sgl/code-HEAD.tar.xz (`git archive HEAD`), not the
 working tree. Results: $OUT/real-sglang-<mode>-g<group>.json, $OUT/logs-<mode>-g<group>.tar.gz.
 

@@ -1,1 +1,1 @@
-"""The D-Bus skin: a thin layer that authorizes callers and calls the engine."""
+"""D-Bus plumbing: the system bus link (one per process, reconnecting), D-Bus errors by name, our bus names."""

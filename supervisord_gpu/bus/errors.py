@@ -5,7 +5,7 @@ GLib hands a remote error over as a GLib.Error whose message reads
 contract; the text is for people and may say anything (a unit's description, a polkit
 message). Matching substrings of the text took "AccessDenied" anywhere in a message for a
 refusal; here each kind is a set of names, and both clients (systemd/manager.py,
-bus/client.py) ask this module what an error is.
+api/client.py) ask this module what an error is.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ a private connection of its own with exit-on-close off, and replaces it when it 
 - actively, once `watch()`ed: on the connection's "closed" signal it retries with a backoff
   (0.5 s doubling to 5 s) and hands the new connection to every watcher, which re-owns its
   name, re-registers its objects, re-subscribes its signals. That runs in GLib's default main
-  context: the daemon's D-Bus thread (bus/service.py) runs it.
+  context: the daemon's D-Bus thread (api/service.py) runs it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Who holds a GPU or a port: a PID turned into a line a person can act on.
 
 A refusal is only useful if it names the holder: its PID, user, command line, cgroup, and
-whether it is one of our instances (attributed from the cgroup path by ownership/names.py,
+whether it is one of our instances (attributed from the cgroup path by names.py,
 the same scheme the drivers use to create them) or something foreign. Never guess: a PID
 that cannot be looked up in this PID namespace is reported as unknown, not matched to
 whatever process happens to carry that number here.
@@ -14,7 +14,7 @@ import pwd
 from ..records import dataclass
 from typing import Any
 
-from ..ownership.names import Owner, owner_of_cgroup, unit_of_cgroup
+from ..names import Owner, owner_of_cgroup, unit_of_cgroup
 from ..ownership.procfs import fd_targets, is_zombie, read_text, real_uid
 
 CMDLINE_WIDTH = 100  # characters of command line in a one-line description

@@ -30,12 +30,12 @@ from ..records import dataclass
 from typing import Any
 from collections.abc import Iterable
 
+from ..addresses import IPAddress as _IPAddress, unmap as _unmap
 from ..ownership.procfs import all_pids, fd_targets
 from .holders import Holder, describe_pid
 
 _LISTEN = "0A"
 _TIME_WAIT = "06"
-_IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 @dataclass(frozen=True)
@@ -161,27 +161,6 @@ def _bind(addr: _IPAddress, host: str, port: int, v6only: bool = False) -> tuple
     return True, None
 
 
-#: names every resolver maps to loopback (RFC 6761 reserves *.localhost; Debian's /etc/hosts
-#: has ip6-localhost and ip6-loopback)
-LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
-
-
-def loopback_name(host: str) -> bool:
-    """A host *name* that means loopback, of either family: decided from the name, not a lookup."""
-    name = host.lower().rstrip(".")
-    return name in LOOPBACK_NAMES or name.endswith(".localhost")
-
-
-def is_loopback(host: str) -> bool:
-    """A loopback name or a loopback address (127.0.0.0/8, ::1, ::ffff:127.x.y.z)."""
-    if loopback_name(host):
-        return True
-    try:
-        return _unmap(ipaddress.ip_address(host.strip("[]"))).is_loopback
-    except ValueError:
-        return False
-
-
 def resolve(host: str) -> _IPAddress:
     """The address a server given `host` would bind ("" and "*" mean all IPv4 addresses)."""
     if host in ("", "*"):
@@ -300,12 +279,6 @@ def _overlaps(want: _IPAddress, have: _IPAddress) -> bool:
         return want == have or want.is_unspecified or have.is_unspecified
     v6 = want if want.version == 6 else have
     return v6.is_unspecified
-
-
-def _unmap(a: _IPAddress) -> _IPAddress:
-    if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None:
-        return a.ipv4_mapped
-    return a
 
 
 def _sockets_on_ports(ports: set[int]) -> list[tuple[_IPAddress, int, str, int, int]]:

@@ -23,6 +23,7 @@ from .gpus import GpuInventory, GpuState
 from .holders import Holder, describe_gpu_pid
 
 if TYPE_CHECKING:  # the port checks (socket, ipaddress) load only when ports are checked: `gpus` never does
+    from ..config.model import Profile
     from .ports import PortStatus
 
 TABLE_WIDTH = 80
@@ -38,6 +39,12 @@ class Requirement:
 
     gpus: frozenset[int]
     ports: tuple[tuple[str, int, str], ...] = ()
+
+    @classmethod
+    def of(cls, profile: Profile) -> Requirement:
+        """A profile's GPUs and listeners: what a start, a switch and a node's verify step check."""
+        return cls(gpus=profile.gpus,
+                   ports=tuple((listen.host, listen.port, listen.label) for listen in profile.listens()))
 
 
 @dataclass

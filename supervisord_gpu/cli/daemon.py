@@ -54,7 +54,7 @@ def run_agent(config_dir: str | None) -> int:
     from ..config.loader import load_daemon_config
     from ..controller.preflight import inventory_for
     from ..systemd.journal import open_sink
-    from ..systemd.notify import Notifier
+    from ..api.notify import Notifier
 
     cfg = load_daemon_config(config_dir)
     sink = open_sink("agent")

@@ -147,7 +147,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     from ..config.loader import effective_config
     from ..daemon import RunOptions, serve
     from ..ownership.cgroupfs import cgroup2_mount
-    from ..systemd.notify import status_text
+    from ..api.notify import status_text
 
     from ..config.trust import secure_directory
 
@@ -257,10 +257,10 @@ DEMO_ANSWER_MAX = 65536  # a generation of 8 tokens answers in well under 1 KiB
 
 
 def _verify_clear(cfg, profile) -> int:  # type: ignore[no-untyped-def]
-    from ..checks.preconditions import check
-    from ..controller.preflight import inventory_for, requirement_for
+    from ..checks.preconditions import Requirement, check
+    from ..controller.preflight import inventory_for
 
-    report = check(requirement_for(profile), inventory_for(cfg, True))
+    report = check(Requirement.of(profile), inventory_for(cfg, True))
     if report.ok:
         print(f"verified after stop: GPUs {sorted(profile.gpus)} idle, ports {sorted({listen.port for listen in profile.listens()})} free")
         return 0
@@ -272,16 +272,16 @@ def _verify_clear(cfg, profile) -> int:  # type: ignore[no-untyped-def]
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from ..checks.preconditions import check
+    from ..checks.preconditions import Requirement, check
     from ..config.loader import load_daemon_config, load_profile
     from ..config.loader import effective_config
     from ..errors import EXIT_PRECONDITIONS
-    from ..controller.preflight import inventory_for, raise_for_missing, requirement_for, validate
+    from ..controller.preflight import inventory_for, raise_for_missing, validate
 
     cfg = effective_config(load_daemon_config(args.config_dir), args.rehearsal)
     profile = load_profile(cfg, args.name)
     validate(profile, cfg)  # exactly what the daemon validates before it touches anything
-    report = check(requirement_for(profile), inventory_for(cfg, cfg.rehearsal.enabled))
+    report = check(Requirement.of(profile), inventory_for(cfg, cfg.rehearsal.enabled))
     raise_for_missing(profile, report)
     if args.json:
         print(json.dumps({"profile": profile.name, "ok": report.ok, **report.to_json()}, indent=2))
@@ -383,8 +383,8 @@ def cmd_unit(args: argparse.Namespace) -> int:
 def _run_unit_job(verb: str, name: str, wait: bool, timeout: float) -> int:
     """Queue systemd's job for dsv4@NAME, or (--wait) follow it to its end: for start and restart
     that is the new daemon's READY=1 (or its failure), for stop the unit inactive."""
-    from ..bus.client import follow
-    from ..ownership.names import service_name
+    from ..api.client import follow
+    from ..names import service_name
     from ..systemd.manager import Systemd
 
     unit = service_name(name)

@@ -59,7 +59,7 @@ def collect(config_dir: str | None, only: str | None = None) -> dict[str, Any]:
         }
         if bus is not None and unit is not None and unit.active in ACTIVE:
             try:
-                from ..bus.client import InstanceClient
+                from ..api.client import InstanceClient
 
                 entry["daemon"] = InstanceClient(bus, name).status()
             except SupervisorError as e:

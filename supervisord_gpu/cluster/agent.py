@@ -20,12 +20,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..checks.gpus import GpuInventory
-from ..checks.preconditions import wait_until_clear
+from ..checks.preconditions import Requirement, wait_until_clear
 from ..config.loader import load_profile
 from ..config.model import DaemonConfig, Profile
-from ..controller.preflight import requirement_for
 from ..errors import SupervisorError
-from ..ownership.names import service_name
+from ..names import service_name
 from .plan import ClusterPlan, Step, _placed
 from .store import ClusterStore, ClusterUnavailable, NodeLost, StepFailed
 
@@ -226,7 +225,7 @@ class NodeAgent:
         """This node's part of `instance`: its GPUs idle by our own NVML, its ports free."""
         part = load_profile(self.cfg, instance)
         try:
-            asyncio.run(wait_until_clear(requirement_for(part), self.inventory, self.cfg.gpus.wait_idle_timeout_s))
+            asyncio.run(wait_until_clear(Requirement.of(part), self.inventory, self.cfg.gpus.wait_idle_timeout_s))
         except SupervisorError as e:
             return f"node {self.node}: {str(e).splitlines()[0]}"
         return ""

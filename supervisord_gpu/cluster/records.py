@@ -23,7 +23,7 @@ from typing import Any
 
 from ..config.cluster import NODE_NAME_RE
 from ..engine.states import State
-from ..ownership.names import INSTANCE_NAME_RE, PROCESS_NAME_RE
+from ..names import INSTANCE_NAME_RE, PROCESS_NAME_RE
 from ..records import dataclass
 from .plan import ClusterPlan, NodeWork, Step
 

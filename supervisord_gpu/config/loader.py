@@ -14,9 +14,10 @@ from typing import Any
 
 import tomllib  # Python 3.11+ (Debian 12); older Pythons would use the tomli package
 
+from ..addresses import is_loopback
 from ..errors import ConfigError
 from ..records import replace as _replace
-from ..ownership.names import INSTANCE_NAME_RE, PROCESS_NAME_RE
+from ..names import INSTANCE_NAME_RE, PROCESS_NAME_RE
 from .model import (
     ClusterConfig,
     DaemonConfig,
@@ -699,7 +700,6 @@ def _hosts_overlap(a: str, b: str) -> bool:
     """Whether two listen addresses of one port may collide: equal, a wildcard, or both
     loopback (`localhost` is 127.0.0.1 or ::1 as /etc/hosts says; any two spellings of
     loopback on one port are refused rather than left to that)."""
-    from ..checks.ports import is_loopback
 
     wild = ("0.0.0.0", "::", "", "*")  # "*" binds 0.0.0.0, as checks/ports.py resolves it
     return a == b or a in wild or b in wild or (is_loopback(a) and is_loopback(b))

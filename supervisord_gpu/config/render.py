@@ -15,7 +15,7 @@ from ..records import dataclass
 from pathlib import Path
 from collections.abc import Mapping
 
-from ..engine import router_key
+from ..sglang import router_key
 from ..errors import ConfigError
 from ..sglang.caches import cache_environment
 from .model import DaemonConfig, OptionValue, ProcessSpec, Profile
@@ -43,7 +43,7 @@ class Launch:
     tmpdir: Path | None = None
     #: the persistent compile cache of the process's user (servers only)
     cache_root: Path | None = None
-    #: a router's control-plane key file (engine/router_key.py): read at spawn, never in `env`,
+    #: a router's control-plane key file (sglang/router_key.py): read at spawn, never in `env`,
     #: so `gpusupctl render` never prints it
     router_key: Path | None = None
     #: a router's workers as the profile names them: (url, worker_type); any other is foreign

@@ -29,7 +29,8 @@ from ..errors import EXIT_GAVE_UP, EXIT_OK, PreconditionError, StartError, Super
 from . import takeover
 from .lock import TransitionLock
 from .outcome import Job, Outcome
-from .preflight import prepare_start, requirement_for
+from ..checks.preconditions import Requirement
+from .preflight import prepare_start
 
 #: (message, syslog priority, GPUSUP_EVENT=) to the journal: "transition", "rollback", "job"
 Say = Callable[[str, int, str], None]
@@ -102,7 +103,7 @@ class InstanceController:
         """After a failed start (everything of ours stopped): the profile's ports someone holds now."""
         from ..checks.ports import check_ports
 
-        statuses = await asyncio.to_thread(check_ports, requirement_for(self.profile).ports)
+        statuses = await asyncio.to_thread(check_ports, Requirement.of(self.profile).ports)
         return [p.problem() or f"port {p.address} not free" for p in statuses if not p.free and not p.error]
 
     async def _after_failed_start(self, error: SupervisorError, stopped: list[takeover.Conflict]) -> Outcome:

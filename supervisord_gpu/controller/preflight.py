@@ -18,13 +18,6 @@ from ..config.model import DaemonConfig, Profile
 from ..errors import ConfigError, PreconditionError
 
 
-def requirement_for(profile: Profile) -> Requirement:
-    return Requirement(
-        gpus=profile.gpus,
-        ports=tuple((listen.host, listen.port, listen.label) for listen in profile.listens()),
-    )
-
-
 def inventory_for(cfg: DaemonConfig, rehearsal: bool) -> GpuInventory:
     if rehearsal or cfg.gpus.backend == "simulated":
         from ..rehearsal.setup import prepare
@@ -57,14 +50,15 @@ def validate(profile: Profile, cfg: DaemonConfig, warn: Callable[[str], None] | 
     With `warn` (a dry run), a model path that does not exist here is a warning, not an error:
     the plan is still worth seeing on a machine without the model.
     """
-    from ..config.render import render
-    from ..sglang.flags import check_profile_flags
+    from ..config.render import render, server_args
+    from ..sglang.flags import check_server_flags
 
     render(profile, cfg)  # users exist; each flag the profile manages appears once
     if profile.is_cluster and not cfg.cluster.etcd:
         raise ConfigError(cfg.path or cfg.config_dir, "cluster.etcd", f"is required: profile {profile.name} spans nodes "
                           "(it has [nodes]), and only etcd can order its steps across them")
-    checks = check_profile_flags(profile, use_real=False if cfg.rehearsal.enabled else None)
+    servers = [(spec.name, server_args(spec)) for spec in profile.processes if spec.kind == "server"]
+    checks = check_server_flags(servers, use_real=False if cfg.rehearsal.enabled else None)
     for c in checks:
         if not c.ok:
             raise ConfigError(profile.path, f"servers.{c.process}.options", f"rejected by {c.how}: {c.error}")
@@ -112,7 +106,7 @@ async def check_profile(profile: Profile, inventory: GpuInventory) -> Preconditi
     """Run the checks off the loop (NVML and socket tables may block) and return the report."""
     import asyncio
 
-    report = await asyncio.to_thread(check, requirement_for(profile), inventory)
+    report = await asyncio.to_thread(check, Requirement.of(profile), inventory)
     raise_for_missing(profile, report)
     return report
 
@@ -136,7 +130,7 @@ async def prepare_start(profile: Profile, cfg: DaemonConfig, inventory: GpuInven
 
         async def verify_here() -> None:
             await check_profile(profile, inventory)
-            await wait_until_clear(requirement_for(profile), inventory, cfg.gpus.wait_idle_timeout_s)
+            await wait_until_clear(Requirement.of(profile), inventory, cfg.gpus.wait_idle_timeout_s)
 
         await prepare_cluster_start(profile, cfg, inventory, cluster_gate, say, progress, verify_here)
         return []
@@ -161,7 +155,7 @@ async def prepare_start(profile: Profile, cfg: DaemonConfig, inventory: GpuInven
         progress("waiting for GPUs idle and ports free")
         loop = asyncio.get_running_loop()
         began = loop.time()
-        await wait_until_clear(requirement_for(profile), inventory, cfg.gpus.wait_idle_timeout_s,
+        await wait_until_clear(Requirement.of(profile), inventory, cfg.gpus.wait_idle_timeout_s,
                                on_progress=lambda r: progress("still held: " + "; ".join(r.problems())[:200]))
         say(f"GPUs {sorted(profile.gpus)} verified idle and ports free in {loop.time() - began:.3f} s", 6)
     return stopped

@@ -20,7 +20,7 @@ from ..config.loader import load_profile
 from ..config.model import DaemonConfig, Profile
 from ..errors import ConfigError, PreconditionError, SupervisorError
 from ..ownership import under_systemd_service
-from ..ownership.names import service_name
+from ..names import service_name
 from . import registry
 
 

@@ -6,7 +6,7 @@ request, and its sweep repeats even with a warm cache (sglang-server.md, second 
 fixed deadline fails exactly those starts, and every failed start is loaded again from the
 beginning. A start that prints nothing, though, is stuck whatever the clock says.
 
-So (the rule systemd's window follows too, systemd/notify.py):
+So (the rule systemd's window follows too, api/notify.py):
 
 * `start_timeout` bounds a start that shows no progress at all;
 * each progress (a log line, a `\\r` progress-bar update, a phase) moves the deadline to

@@ -8,7 +8,7 @@ while those already proxied complete; once the server reports nothing in flight 
 stopped, and POST /workers puts the restarted server back. With the whole instance stopping,
 none of this is needed: the router stops first and closes its listener.
 
-That API is closed to everyone but the daemon (engine/router_key.py: each call carries the
+That API is closed to everyone but the daemon (sglang/router_key.py: each call carries the
 instance's control-plane key), and RouterWorkers.enforce keeps the list to the workers the
 profile names: anyone else's is named in the journal at error priority and removed.
 """
@@ -28,7 +28,7 @@ from ..errors import one_line
 from ..records import dataclass
 from .events import LogSink
 from .probe import request
-from .router_key import RouterKeyError, auth_header, read_key
+from ..sglang.router_key import RouterKeyError, auth_header, read_key
 
 POLL_S = 0.1
 API_TIMEOUT_S = 5.0
@@ -64,7 +64,7 @@ class WorkerCheck:
 class RouterWorkers:
     """One router's worker list, through its HTTP API, with the instance's control-plane key.
 
-    The key file is read on every call (engine/router_key.py checks it each time), so a call
+    The key file is read on every call (sglang/router_key.py checks it each time), so a call
     made before the router's first start, or with the file tampered with, fails with a reason
     rather than going out without the header.
     """

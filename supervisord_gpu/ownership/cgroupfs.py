@@ -23,7 +23,7 @@ from pathlib import Path
 from ..errors import OwnershipError
 from .base import OwnershipDriver, ProcessGroup
 from .inotify import Inotify
-from .names import CGROUPFS_ROOT_NAME, Owner, owner_of_cgroup, unit_of_cgroup
+from ..names import CGROUPFS_ROOT_NAME, Owner, owner_of_cgroup, unit_of_cgroup
 
 
 def cgroup2_mount() -> Path | None:
@@ -106,7 +106,7 @@ def root_only(cgroup: str, mount: Path | None = None) -> bool:
 
 
 def verified_owner(cgroup: str | None, mount: Path | None = None) -> Owner | None:
-    """The instance a cgroup belongs to (ownership/names.py), confirmed on disk for cgroupfs paths.
+    """The instance a cgroup belongs to (names.py), confirmed on disk for cgroupfs paths.
 
     A systemd path is ours by its place in the system manager's tree (names.py: slices only
     above it); a cgroupfs path has no unit above it to tell, so only `root_only` decides.

@@ -27,7 +27,7 @@ from ..errors import BusError, OperationFailed, OwnershipError, PermissionDenied
 from ..systemd.manager import UNIT, Systemd
 from .base import OwnershipDriver, ProcessGroup
 from .cgroupfs import CgroupDir, cgroup2_mount
-from .names import scope_name, service_name
+from ..names import scope_name, service_name
 
 ADOPT_TIMEOUT_S = 10.0
 

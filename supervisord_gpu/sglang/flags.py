@@ -13,10 +13,9 @@ import contextlib
 import importlib.util
 import io
 import subprocess
-from ..records import dataclass
+from collections.abc import Iterable
 
-from ..config.model import Profile
-from ..config.render import server_args
+from ..records import dataclass
 
 _REAL_CHECK = (
     "import sys\n"
@@ -33,18 +32,11 @@ class FlagCheck:
     error: str = ""
 
 
-def check_profile_flags(profile: Profile, python: str | None = None, use_real: bool | None = None) -> list[FlagCheck]:
+def check_server_flags(servers: Iterable[tuple[str, list[str]]], python: str | None = None,
+                       use_real: bool | None = None) -> list[FlagCheck]:
+    """(name, the server's rendered arguments) for each server: does each parse?"""
     real = importlib.util.find_spec("sglang") is not None if use_real is None else use_real
-    results = []
-    for spec in profile.processes:
-        if spec.kind != "server":
-            continue
-        args = server_args(spec)
-        if real:
-            results.append(_check_real(spec.name, args, python))
-        else:
-            results.append(_check_table(spec.name, args))
-    return results
+    return [_check_real(name, args, python) if real else _check_table(name, args) for name, args in servers]
 
 
 def _check_real(name: str, args: list[str], python: str | None) -> FlagCheck:

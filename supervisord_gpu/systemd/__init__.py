@@ -1,1 +1,1 @@
-"""Glue to systemd: sd_notify, the journal, and (in ownership/) transient scopes."""
+"""systemd's side: its manager over D-Bus (units, jobs), the journal, the restart counter (sd_notify is api/notify.py)."""

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..bus.errors import ALREADY_SUBSCRIBED, DENIED, NO_SUCH_UNIT, NO_UNIT_FOR_PID, error_name, first_line
 from ..errors import BusError, OperationFailed, PermissionDenied
-from ..ownership.names import INSTANCE_NAME_RE, UNIT_PREFIX, service_name
+from ..names import INSTANCE_NAME_RE, UNIT_PREFIX, service_name
 
 BUS = "org.freedesktop.systemd1"
 PATH = "/org/freedesktop/systemd1"

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import EXIT_GAVE_UP, SupervisorError
-from ..ownership.names import service_name
+from ..names import service_name
 
 #: automatic restarts since the last start by hand at which the daemon refuses to start: the
 #: start by hand and two automatic restarts ran SGLang; the third automatic one is refused.

@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 from pydbus.generic import signal as dbus_signal
 
-from . import names
+from ..bus import names
 from ..controller.outcome import Job
 from ..errors import SupervisorError
 from .exports import export, exported_methods, introspection_xml
-from .link import BusLink, system_bus
+from ..bus.link import BusLink, system_bus
 
 if TYPE_CHECKING:
     from ..controller.controller import InstanceController

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import BusError, OperationFailed, PermissionDenied
-from ..ownership.names import service_name
-from . import names
-from .errors import DENIED, NOT_ANSWERING, error_name, first_line
+from ..names import service_name
+from ..bus import names
+from ..bus.errors import DENIED, NOT_ANSWERING, error_name, first_line
 
 
 class InstanceClient:

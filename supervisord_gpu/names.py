@@ -8,7 +8,7 @@ attribute holders can never disagree. Process names have no '-', so a scope name
 from __future__ import annotations
 
 import re
-from ..records import dataclass
+from .records import dataclass
 
 UNIT_PREFIX = "dsv4"
 SERVICE_TEMPLATE = f"{UNIT_PREFIX}@.service"
