@@ -20,6 +20,7 @@ from .config.render import render
 from .controller import registry
 from .controller.controller import InstanceController
 from .controller.preflight import inventory_for
+from .controller.transition import ClusterTransition, LocalTransition, Transition
 from .engine.events import Event
 from .engine.instance import Instance
 from .errors import SupervisorError
@@ -113,9 +114,13 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
             exporter.start()
             instance.listeners.append(exporter.on_event)
             exporter.watch_loop(loop)
+        def say(message: str, priority: int, event: str) -> None:
+            sink.event(message, priority, GPUSUP_EVENT=event)
+
+        transition: Transition = (ClusterTransition(profile, cfg, inventory, instance.gate, say) if instance.gate is not None
+                                  else LocalTransition(profile, cfg, inventory, say))  # decided once, here
         controller = InstanceController(
-            cfg, profile, instance, inventory,
-            say=lambda message, priority, event: sink.event(message, priority, GPUSUP_EVENT=event),
+            cfg, profile, instance, inventory, say=say, transition=transition,
             on_transition=exporter.transition_observed if exporter else None,
             wrap_preflight=exporter.counting_preflight if exporter else None,
         )

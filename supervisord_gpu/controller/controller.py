@@ -1,8 +1,9 @@
 """The controller: one object per instance that implements every verb, on one path.
 
-    start            validate -> take the transition lock -> stop what holds our GPUs and ports
-                     (takeover.py) -> verify them clear (preflight.py) -> start every process in
-                     order (engine) -> on failure after a takeover, roll the old ones back
+    start            take the transition lock -> validate (preflight.py) -> make room: the
+                     Transition chosen at assembly (transition.py: a takeover on this machine, or
+                     the cluster's transition) -> start every process in order (engine) -> on
+                     failure, the Transition rolls back what it stopped
     stop             every process in stop order
     restart          stop, then the very same start path (validation, lock, takeover, rollback)
     restart_process  one process alone, taken out of its router first (engine)
@@ -26,11 +27,11 @@ from ..config.model import DaemonConfig, Profile
 from ..engine.instance import Instance, Preflight
 from ..engine.states import State
 from ..errors import EXIT_GAVE_UP, EXIT_OK, PreconditionError, StartError, SupervisorError, TakeoverFailed
-from . import takeover
+from ..checks.preconditions import Requirement
 from .lock import TransitionLock
 from .outcome import Job, Outcome
-from ..checks.preconditions import Requirement
-from .preflight import prepare_start
+from .preflight import validate
+from .transition import Transition
 
 #: (message, syslog priority, GPUSUP_EVENT=) to the journal: "transition", "rollback", "job"
 Say = Callable[[str, int, str], None]
@@ -40,13 +41,14 @@ class InstanceController:
     """Owns one instance's lifecycle; see the module docstring for the verbs."""
 
     def __init__(self, cfg: DaemonConfig, profile: Profile, instance: Instance, inventory: GpuInventory,
-                 say: Say, on_transition: Callable[[float, str, str, str], None] | None = None,
+                 say: Say, transition: Transition, on_transition: Callable[[float, str, str, str], None] | None = None,
                  wrap_preflight: Callable[[Preflight], Preflight] | None = None) -> None:
         self.cfg = cfg
         self.profile = profile
         self.instance = instance
         self.inventory = inventory
         self.say = say
+        self.transition = transition
         self.on_transition = on_transition or (lambda _s, _f, _t, _o: None)
         self.wrap_preflight = wrap_preflight or (lambda preflight: preflight)  # metrics count refusals
         self.lock = TransitionLock(cfg.runtime_dir, profile.name)
@@ -64,26 +66,25 @@ class InstanceController:
 
     async def _start(self) -> Outcome:
         began = time.monotonic()
-        stopped: list[takeover.Conflict] = []
 
         async def preflight() -> None:
             await self._acquire_lock()
-            await prepare_start(self.profile, self.cfg, self.inventory, say=self._say_transition,
-                                progress=self.instance.set_transition, stopped=stopped,
-                                cluster_gate=self.instance.gate)
+            how = await asyncio.to_thread(validate, self.profile, self.cfg)
+            await self.transition.prepare(how, self.instance.set_transition)
             self.instance.set_transition("")
 
         try:
             await self.instance.start(preflight=self.wrap_preflight(preflight))
         except SupervisorError as e:
-            outcome = await self._after_failed_start(e, stopped)
-            self.on_transition(time.monotonic() - began, self._from(stopped), self.profile.name,
-                               "rolled_back" if stopped and self.profile.rollback else outcome.state)
+            outcome = await self._after_failed_start(e)
+            took_over = self.transition.took_over()
+            self.on_transition(time.monotonic() - began, self.transition.came_from(), self.profile.name,
+                               "rolled_back" if took_over and self.profile.rollback else outcome.state)
             return outcome
         finally:
             self.lock.release()
-        if stopped:
-            self.on_transition(time.monotonic() - began, self._from(stopped), self.profile.name, "ok")
+        if self.transition.took_over():
+            self.on_transition(time.monotonic() - began, self.transition.came_from(), self.profile.name, "ok")
         return Outcome.done(f"ready in {time.monotonic() - began:.1f} s")
 
     async def _acquire_lock(self) -> None:
@@ -92,13 +93,6 @@ class InstanceController:
             self.instance.set_transition(f"waiting for the transition of {holder}")
         await self.lock.acquire()
 
-    def _say_transition(self, message: str, priority: int) -> None:
-        self.say(message, priority, "transition")
-
-    @staticmethod
-    def _from(stopped: list[takeover.Conflict]) -> str:
-        return ",".join(c.instance for c in stopped) or "-"
-
     async def _ports_taken(self) -> list[str]:
         """After a failed start (everything of ours stopped): the profile's ports someone holds now."""
         from ..checks.ports import check_ports
@@ -106,8 +100,8 @@ class InstanceController:
         statuses = await asyncio.to_thread(check_ports, Requirement.of(self.profile).ports)
         return [p.problem() or f"port {p.address} not free" for p in statuses if not p.free and not p.error]
 
-    async def _after_failed_start(self, error: SupervisorError, stopped: list[takeover.Conflict]) -> Outcome:
-        """The reason, and, after a takeover, the rollback and its outcome: in STATUS= and the journal.
+    async def _after_failed_start(self, error: SupervisorError) -> Outcome:
+        """The reason, and what the Transition rolled back: in STATUS= and the journal.
 
         A start that failed after the preflight, once everything of ours is stopped, is checked
         against the profile's ports once more: one held now was taken while the servers loaded
@@ -122,36 +116,12 @@ class InstanceController:
                                           "was starting; what had started is stopped)")
                 reason = str(error)
                 self.say(reason, 3, "transition")
-        if self.instance.gate is not None and not isinstance(error, TakeoverFailed):
-            from ..cluster.coordinator import roll_back_failed_start
-
-            said = await asyncio.to_thread(roll_back_failed_start, self.instance.gate)  # type: ignore[arg-type]
-            if said:
-                reason = f"{reason} (cluster transition; {said})"
-                self.say(f"rollback: {said}", 4, "rollback")
-                self.instance.fail(reason)
-                return Outcome.of(TakeoverFailed(reason), reason)
-        if not stopped:
+        rolled = await self.transition.roll_back(error, reason)
+        if rolled is None:
             self.instance.fail(reason)
             return Outcome.of(error, reason)
-        names = ", ".join(f"dsv4@{c.instance}" for c in stopped)
-        if not self.profile.rollback:
-            reason = f"{reason} (after taking over {names}; rollback = false: they stay stopped)"
-        else:
-            rolled, failed = [], []
-            for c in stopped:
-                try:
-                    await asyncio.to_thread(takeover.start_instance, c)
-                    rolled.append(f"dsv4@{c.instance}")
-                except SupervisorError as e:
-                    failed.append(f"dsv4@{c.instance} ({e})")
-            reason = (f"{reason} (after taking over {names}; rolled back: "
-                      + (", ".join(rolled) + " started again" if rolled else "nothing")
-                      + (f"; rollback failed: {'; '.join(failed)}" if failed else "") + ")")
-            self.say(f"rollback: {self.profile.name} failed to start; " + (", ".join(rolled) or "none") + " started again",
-                     4 if not failed else 3, "rollback")
-        self.instance.fail(reason)
-        return Outcome.of(TakeoverFailed(reason), reason)
+        self.instance.fail(rolled)
+        return Outcome.of(TakeoverFailed(rolled), rolled)
 
     # ------------------------------------------------------------------ stop, restart
 

@@ -2,20 +2,19 @@
 
 Everything that can fail is checked before anything running is touched. A GPU index the
 machine lacks is a configuration error pointing at the profile key; a foreign holder stops
-the start with its PID and command line; instances of ours in the way are taken over (when
-the profile allows) by takeover.py, then the GPUs and ports are verified clear.
+the start with its PID and command line. What is ours and in the way is the Transition's
+(transition.py): a takeover on one machine, the cluster's transition across nodes.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
 
 from ..checks.gpus import GpuInventory, open_inventory
-from ..checks.preconditions import PreconditionReport, Requirement, check, wait_until_clear
+from ..checks.preconditions import PreconditionReport, Requirement, check
 from ..config.model import DaemonConfig, Profile
-from ..errors import ConfigError, PreconditionError
+from ..errors import ConfigError
 
 
 def inventory_for(cfg: DaemonConfig, rehearsal: bool) -> GpuInventory:
@@ -109,53 +108,3 @@ async def check_profile(profile: Profile, inventory: GpuInventory) -> Preconditi
     report = await asyncio.to_thread(check, Requirement.of(profile), inventory)
     raise_for_missing(profile, report)
     return report
-
-
-async def prepare_start(profile: Profile, cfg: DaemonConfig, inventory: GpuInventory, say: Callable[[str, int], None],
-                        progress: Callable[[str], None] = lambda _m: None,
-                        stopped: list | None = None, cluster_gate: Any = None) -> list:  # type: ignore[type-arg]
-    """Validate, take over what is in the way, verify clear. Returns the instances stopped (for rollback).
-
-    `stopped` is filled as each instance is stopped, so that a failure later on (the wait for
-    idle GPUs times out because something foreign grabbed a port mid-transition) still knows
-    what to roll back.
-    """
-    import asyncio
-
-    from . import takeover as transition
-
-    how = await asyncio.to_thread(validate, profile, cfg)
-    if cluster_gate is not None:  # a node's part: the cluster's transition, through etcd
-        from ..cluster.coordinator import prepare_cluster_start
-
-        async def verify_here() -> None:
-            await check_profile(profile, inventory)
-            await wait_until_clear(Requirement.of(profile), inventory, cfg.gpus.wait_idle_timeout_s)
-
-        await prepare_cluster_start(profile, cfg, inventory, cluster_gate, say, progress, verify_here)
-        return []
-    report = await check_profile(profile, inventory)
-    conflicts = await asyncio.to_thread(transition.find_conflicts, profile, cfg)
-    foreign = blocking_problems(report, conflicts)
-    if foreign:
-        raise PreconditionError("refusing to start: " + "; ".join(foreign))
-    if conflicts and not profile.takeover:
-        raise PreconditionError("refusing to start: " + "; ".join(f"{c.describe()} is running" for c in conflicts)
-                                + " (takeover = false in the profile)")
-    stopped = [] if stopped is None else stopped
-    if conflicts:
-        plan = transition.make_plan(profile, cfg, conflicts, how)
-        say(plan.render(), 6)
-        for c in conflicts:
-            progress(f"stopping dsv4@{c.instance}")
-            took = await transition.stop_instance(c, cfg, c.stop_deadline_s)
-            stopped.append(c)
-            say(f"transition: dsv4@{c.instance} stopped in {took:.2f} s", 6)
-    if conflicts or not report.ok:
-        progress("waiting for GPUs idle and ports free")
-        loop = asyncio.get_running_loop()
-        began = loop.time()
-        await wait_until_clear(Requirement.of(profile), inventory, cfg.gpus.wait_idle_timeout_s,
-                               on_progress=lambda r: progress("still held: " + "; ".join(r.problems())[:200]))
-        say(f"GPUs {sorted(profile.gpus)} verified idle and ports free in {loop.time() - began:.3f} s", 6)
-    return stopped

@@ -1,0 +1,149 @@
+"""How a start makes room, and how a failed one undoes it: decided once, when the daemon is assembled.
+
+A start is the same everywhere (validate, take the machine's transition lock, make room, start
+every process in order); what "make room" means is the one variation, and it is chosen once in
+daemon.py from the profile, not branched on in the middle of the start:
+
+    LocalTransition     one machine: stop our instances that hold the profile's GPUs or ports
+                        (takeover.py), verify them clear; on failure start them again
+    ClusterTransition   a profile that spans nodes: the cluster lock, the plan and the agents
+                        through etcd (cluster/coordinator.py); on failure the agents roll back
+
+The controller calls `prepare` before the processes start and `roll_back` when the start
+failed; each returns what the controller reports. A switch (`gpusupctl switch`, or starting a
+profile while another runs) is `prepare`: the takeover, or the cluster transition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ..checks.gpus import GpuInventory
+from ..checks.preconditions import Requirement, wait_until_clear
+from ..config.model import DaemonConfig, Profile
+from ..errors import PreconditionError, SupervisorError, TakeoverFailed
+from . import takeover
+from .preflight import blocking_problems, check_profile
+
+#: (message, syslog priority, GPUSUP_EVENT=): "transition" or "rollback"
+Say = Callable[[str, int, str], None]
+Progress = Callable[[str], None]
+
+
+class Transition(Protocol):
+    async def prepare(self, how: str, progress: Progress) -> None:
+        """Make room for the profile (GPUs idle, ports free), or raise without touching anything
+        when that is not ours to do. `how` says how the profile's flags were checked."""
+
+    async def roll_back(self, error: SupervisorError, reason: str) -> str | None:
+        """After a failed start: undo what `prepare` stopped. The reason to report (it then is a
+        TakeoverFailed, exit 5), or None when nothing had been stopped."""
+
+    def came_from(self) -> str:
+        """What the last `prepare` stopped, for the transition metric ("-" for nothing)."""
+
+    def took_over(self) -> bool:
+        """Whether the last `prepare` stopped anything."""
+
+
+class LocalTransition:
+    """One machine: our instances in the way are stopped (the profile allows it: takeover = true),
+    then GPUs and ports verified clear; a failed start starts them again (rollback = true)."""
+
+    def __init__(self, profile: Profile, cfg: DaemonConfig, inventory: GpuInventory, say: Say) -> None:
+        self.profile, self.cfg, self.inventory, self.say = profile, cfg, inventory, say
+        #: filled as each is stopped, so that a failure later on (the wait for idle GPUs times
+        #: out: something foreign grabbed a port mid-transition) still knows what to start again
+        self.stopped: list[takeover.Conflict] = []
+
+    async def prepare(self, how: str, progress: Progress) -> None:
+        self.stopped = []
+        profile, cfg = self.profile, self.cfg
+        report = await check_profile(profile, self.inventory)
+        conflicts = await asyncio.to_thread(takeover.find_conflicts, profile, cfg)
+        foreign = blocking_problems(report, conflicts)
+        if foreign:
+            raise PreconditionError("refusing to start: " + "; ".join(foreign))
+        if conflicts and not profile.takeover:
+            raise PreconditionError("refusing to start: " + "; ".join(f"{c.describe()} is running" for c in conflicts)
+                                    + " (takeover = false in the profile)")
+        if conflicts:
+            self.say(takeover.make_plan(profile, cfg, conflicts, how).render(), 6, "transition")
+            for c in conflicts:
+                progress(f"stopping dsv4@{c.instance}")
+                took = await takeover.stop_instance(c, cfg, c.stop_deadline_s)
+                self.stopped.append(c)
+                self.say(f"transition: dsv4@{c.instance} stopped in {took:.2f} s", 6, "transition")
+        if conflicts or not report.ok:
+            progress("waiting for GPUs idle and ports free")
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            await wait_until_clear(Requirement.of(profile), self.inventory, cfg.gpus.wait_idle_timeout_s,
+                                   on_progress=lambda r: progress("still held: " + "; ".join(r.problems())[:200]))
+            self.say(f"GPUs {sorted(profile.gpus)} verified idle and ports free in {loop.time() - began:.3f} s", 6,
+                     "transition")
+
+    async def roll_back(self, error: SupervisorError, reason: str) -> str | None:
+        if not self.stopped:
+            return None
+        names = ", ".join(f"dsv4@{c.instance}" for c in self.stopped)
+        if not self.profile.rollback:
+            return f"{reason} (after taking over {names}; rollback = false: they stay stopped)"
+        rolled, failed = [], []
+        for c in self.stopped:
+            try:
+                await asyncio.to_thread(takeover.start_instance, c)
+                rolled.append(f"dsv4@{c.instance}")
+            except SupervisorError as e:
+                failed.append(f"dsv4@{c.instance} ({e})")
+        self.say(f"rollback: {self.profile.name} failed to start; " + (", ".join(rolled) or "none") + " started again",
+                 4 if not failed else 3, "rollback")
+        return (f"{reason} (after taking over {names}; rolled back: "
+                + (", ".join(rolled) + " started again" if rolled else "nothing")
+                + (f"; rollback failed: {'; '.join(failed)}" if failed else "") + ")")
+
+    def came_from(self) -> str:
+        return ",".join(c.instance for c in self.stopped) or "-"
+
+    def took_over(self) -> bool:
+        return bool(self.stopped)
+
+
+class ClusterTransition:
+    """A node's part of a profile that spans nodes: the cluster's transition through etcd (the
+    coordinator when this node leads it, a verify of this node when another node does)."""
+
+    def __init__(self, profile: Profile, cfg: DaemonConfig, inventory: GpuInventory, gate: Any, say: Say) -> None:
+        self.profile, self.cfg, self.inventory, self.gate, self.say = profile, cfg, inventory, gate, say
+
+    async def prepare(self, how: str, progress: Progress) -> None:
+        from ..cluster.coordinator import prepare_cluster_start
+
+        self.gate.transition = None
+        profile, inventory = self.profile, self.inventory
+
+        async def verify_here() -> None:
+            await check_profile(profile, inventory)
+            await wait_until_clear(Requirement.of(profile), inventory, self.cfg.gpus.wait_idle_timeout_s)
+
+        await prepare_cluster_start(profile, self.cfg, inventory, self.gate,
+                                    lambda message, priority: self.say(message, priority, "transition"), progress, verify_here)
+
+    async def roll_back(self, error: SupervisorError, reason: str) -> str | None:
+        if isinstance(error, TakeoverFailed):  # the coordinator has rolled back already
+            return None
+        from ..cluster.coordinator import roll_back_failed_start
+
+        said = await asyncio.to_thread(roll_back_failed_start, self.gate)
+        if not said:
+            return None
+        self.say(f"rollback: {said}", 4, "rollback")
+        return f"{reason} (cluster transition; {said})"
+
+    def came_from(self) -> str:
+        return "-"
+
+    def took_over(self) -> bool:
+        return False
