@@ -114,6 +114,7 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
             exporter.start()
             instance.listeners.append(exporter.on_event)
             exporter.watch_loop(loop)
+
         def say(message: str, priority: int, event: str) -> None:
             sink.event(message, priority, GPUSUP_EVENT=event)
 

@@ -30,7 +30,7 @@ from ..records import dataclass
 from typing import Any
 from collections.abc import Iterable
 
-from ..addresses import IPAddress as _IPAddress, unmap as _unmap
+from ..addresses import IPAddress, unmap
 from ..ownership.procfs import all_pids, fd_targets
 from .holders import Holder, describe_pid
 
@@ -124,23 +124,23 @@ def bind_test(host: str, port: int) -> tuple[bool, str | None]:
     return free, error
 
 
-def _other_family_listens(addr: _IPAddress, port: int) -> bool:
+def _other_family_listens(addr: IPAddress, port: int) -> bool:
     """A listener of the other family that clients of addr:port could reach instead of us.
 
     The other family's wildcard (IPV6_V6ONLY for [::]) binds unless something of that family
     listens on the port; only then are the socket tables read, to keep what overlaps as
     `_overlaps_any_family` says (the rule readiness applies). No IPv6 on the machine (the
     socket or the bind fails otherwise) is no reason to refuse."""
-    want = _unmap(addr)
-    other: _IPAddress = ipaddress.IPv6Address("::") if want.version == 4 else ipaddress.IPv4Address("0.0.0.0")
+    want = unmap(addr)
+    other: IPAddress = ipaddress.IPv6Address("::") if want.version == 4 else ipaddress.IPv4Address("0.0.0.0")
     free, error = _bind(other, str(other), port, v6only=True)
     if free or error is not None:
         return False
-    return any(state == _LISTEN and inode and _unmap(have).version != want.version and _overlaps_any_family(want, have)
+    return any(state == _LISTEN and inode and unmap(have).version != want.version and _overlaps_any_family(want, have)
                for have, sport, state, _uid, inode in _sockets_on_ports({port}) if sport == port)
 
 
-def _bind(addr: _IPAddress, host: str, port: int, v6only: bool = False) -> tuple[bool, str | None]:
+def _bind(addr: IPAddress, host: str, port: int, v6only: bool = False) -> tuple[bool, str | None]:
     family = socket.AF_INET6 if addr.version == 6 else socket.AF_INET
     try:
         s = socket.socket(family, socket.SOCK_STREAM)
@@ -161,7 +161,7 @@ def _bind(addr: _IPAddress, host: str, port: int, v6only: bool = False) -> tuple
     return True, None
 
 
-def resolve(host: str) -> _IPAddress:
+def resolve(host: str) -> IPAddress:
     """The address a server given `host` would bind ("" and "*" mean all IPv4 addresses)."""
     if host in ("", "*"):
         return ipaddress.IPv4Address("0.0.0.0")
@@ -229,12 +229,12 @@ def _socket_inodes_of(pids: Iterable[int]) -> set[int]:
     return {int(link[8:-1]) for pid in pids for link in fd_targets(pid) if link.startswith("socket:[")}
 
 
-def _overlaps_any_family(want: _IPAddress, have: _IPAddress) -> bool:
+def _overlaps_any_family(want: IPAddress, have: IPAddress) -> bool:
     """Like _overlaps, but a listener of the other family counts where clients could reach it
     instead of us: either side a wildcard, or both loopback (`localhost` may be ::1 or 127.0.0.1)."""
     if _overlaps(want, have):
         return True
-    want, have = _unmap(want), _unmap(have)
+    want, have = unmap(want), unmap(have)
     if want.version == have.version:
         return False
     return want.is_unspecified or have.is_unspecified or (want.is_loopback and have.is_loopback)
@@ -268,20 +268,20 @@ def _blocking_sockets(wanted: list[tuple[str, int]]) -> dict[tuple[str, int], di
     return out
 
 
-def _overlaps(want: _IPAddress, have: _IPAddress) -> bool:
+def _overlaps(want: IPAddress, have: IPAddress) -> bool:
     """Would a bind of `want` collide with a socket bound to `have` (same port)?
 
     A wildcard overlaps every address of its family; [::] also every IPv4 address (dual
     stack, the Linux default); IPv4-mapped IPv6 addresses count as IPv4.
     """
-    want, have = _unmap(want), _unmap(have)
+    want, have = unmap(want), unmap(have)
     if want.version == have.version:
         return want == have or want.is_unspecified or have.is_unspecified
     v6 = want if want.version == 6 else have
     return v6.is_unspecified
 
 
-def _sockets_on_ports(ports: set[int]) -> list[tuple[_IPAddress, int, str, int, int]]:
+def _sockets_on_ports(ports: set[int]) -> list[tuple[IPAddress, int, str, int, int]]:
     """(local address, port, state, uid, inode) of the TCP sockets of this network namespace on `ports`.
 
     Reading these tables walks the kernel's whole connection hash: ~4 ms each on a
@@ -303,7 +303,7 @@ def _sockets_on_ports(ports: set[int]) -> list[tuple[_IPAddress, int, str, int, 
     return found
 
 
-def _parse_addr(hexaddr: str, v6: bool) -> _IPAddress:
+def _parse_addr(hexaddr: str, v6: bool) -> IPAddress:
     """/proc/net/tcp prints addresses as 32-bit words in host byte order (little-endian here)."""
     raw = bytes.fromhex(hexaddr)
     words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)) if _LITTLE else raw
