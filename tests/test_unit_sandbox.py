@@ -19,7 +19,7 @@ from box import box, ours  # noqa: F401  (box is a fixture)
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 REPO = Path(__file__).resolve().parent.parent
 PROOF_SYSCALLS = REPO / "bench" / "device" / "allowed-syscalls.txt"
-CAPS = {"CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_FOWNER": 3, "CAP_KILL": 5, "CAP_SETGID": 6, "CAP_SETUID": 7,
+CAPS = {"CAP_CHOWN": 0, "CAP_KILL": 5, "CAP_SETGID": 6, "CAP_SETUID": 7,
         "CAP_SYS_PTRACE": 19}
 
 

@@ -28,6 +28,7 @@ import errno
 import os
 import shutil
 import stat
+import subprocess
 import time
 from ..records import dataclass, field
 from pathlib import Path
@@ -42,13 +43,22 @@ MM_SUFFIX_LEN = 8
 #: a multimodal segment older than its creator PID's process (minus this) is a previous
 #: holder's of that PID, not ours
 START_SLACK_S = 1.0
+#: emptying a TMPDIR as its user: SGLang leaves a handful of ipc files; a wedged file system is not our wait
+CLEAR_TIMEOUT_S = 30.0
 
 Ident = tuple[int, int]  # (st_dev, st_ino)
 
 
 @dataclass
 class PrivateDir:
-    """A directory owned by the child's user, mode 0700, under a root-owned parent."""
+    """A directory owned by the child's user, mode 0700, under a root-owned parent.
+
+    Root neither reads nor writes inside it: the daemon keeps no CAP_DAC_OVERRIDE or
+    CAP_FOWNER (they are what let a planted link aim root's clean-up at other users' files),
+    so the mode is set while the directory is still root's, and emptying it is done by a
+    short-lived process running as its user (`clear`): it can remove only what that user
+    could remove anyway, whatever the user planted inside.
+    """
 
     path: Path
     uid: int
@@ -65,27 +75,71 @@ class PrivateDir:
         st = os.lstat(self.path)
         if not stat.S_ISDIR(st.st_mode):
             raise OSError(errno.ENOTDIR, f"{self.path} exists and is not a directory")
-        if (st.st_uid, st.st_gid) != (self.uid, self.gid) and os.geteuid() == 0:
-            os.lchown(self.path, self.uid, self.gid)
+        ours = (st.st_uid, st.st_gid) == (self.uid, self.gid)
+        if ours and stat.S_IMODE(st.st_mode) == self.mode:
+            return
+        as_root = os.geteuid() == 0
+        if as_root and st.st_uid != 0:
+            os.lchown(self.path, 0, 0)  # CAP_CHOWN; a mode change of another user's needs CAP_FOWNER
         os.chmod(self.path, self.mode, follow_symlinks=False)
+        if as_root:
+            os.lchown(self.path, self.uid, self.gid)
 
     def clear(self) -> list[str]:
         """Remove everything inside (never following links); returns what was removed."""
+        if os.geteuid() == 0 and self.uid != 0:
+            return _clear_as(self.uid, self.gid, self.path)
+        return _clear(self.path)
+
+
+def _clear(path: Path) -> list[str]:
+    """Empty `path` as whoever we are (`shutil.rmtree` works through descriptors and follows no link)."""
+    try:
+        entries = list(os.scandir(path))
+    except FileNotFoundError:
+        return []
+    removed = []
+    for entry in entries:
         try:
-            entries = list(os.scandir(self.path))
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+            removed.append(entry.path)
         except FileNotFoundError:
-            return []
-        removed = []
-        for entry in entries:
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path)
-                else:
-                    os.unlink(entry.path)
-                removed.append(entry.path)
-            except FileNotFoundError:
-                continue
-        return removed
+            continue
+    return removed
+
+
+#: emptying a directory as its user: find(1) is essential in Debian, so every user can run it
+#: wherever our interpreter lives (a venv under /root is out of their reach); -P (the default)
+#: follows no link, -xdev stays on the directory's file system, -delete removes depth first
+FIND = "/usr/bin/find"
+
+
+def _clear_as(uid: int, gid: int, path: Path) -> list[str]:
+    """Empty another user's directory as that user, in processes of its own: first every
+    directory inside made searchable (pre-order, so a `chmod 000` one is opened after), then
+    everything removed depth first.
+
+    Raises OSError naming the directory (and find's last line) when it could not."""
+    passes = (["-type", "d", "!", "-perm", "-u=rwx", "-exec", "chmod", "u+rwx", "{}", ";"], ["-print0", "-delete"])
+    done = None
+    for actions in passes:
+        try:
+            done = subprocess.run([FIND, "-P", str(path), "-xdev", "-mindepth", "1", *actions],
+                                  user=uid, group=gid, extra_groups=[], env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"},
+                                  cwd="/", stdin=subprocess.DEVNULL, capture_output=True, timeout=CLEAR_TIMEOUT_S,
+                                  check=False)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise OSError(errno.EIO, f"could not empty {path} as uid {uid}: {e}") from None
+    assert done is not None
+    last = (done.stderr.decode(errors="replace").strip().splitlines() or [""])[-1][:200]
+    if done.returncode != 0 and "No such file or directory" not in last:
+        raise OSError(errno.EIO, f"could not empty {path} as uid {uid}: {last or f'find exited {done.returncode}'}")
+    prefix = str(path).rstrip("/") + "/"
+    return [name for name in done.stdout.decode(errors="replace").split("\0")
+            if name.startswith(prefix) and "/" not in name[len(prefix):]]
 
 
 @dataclass
