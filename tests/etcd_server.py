@@ -83,15 +83,16 @@ class EtcdServer:
 def history(url: str, prefix: str, quiet_s: float = 1.0) -> list[tuple[str, str]]:
     """Every change under `prefix` since etcd began, in etcd's own (global) order: (key, state),
     state "" for a deletion. etcd's revisions order writes from every node, so this is the one
-    trustworthy clock for what happened first across machines."""
+    trustworthy clock for what happened first across machines. `url` is a plain etcd's, or
+    `config:DIR`: read as the node whose configuration is in DIR (its etcd, CA, certificate
+    and login)."""
+    return _history(_kv(url).client, prefix, quiet_s)
+
+
+def _history(client, prefix: str, quiet_s: float) -> list[tuple[str, str]]:  # type: ignore[no-untyped-def]
     import json
     import queue
-    from urllib.parse import urlsplit
 
-    from etcd3gw.client import Etcd3Client
-
-    u = urlsplit(url)
-    client = Etcd3Client(host=u.hostname, port=u.port, api_path="/v3/")
     now = int(client.status()["header"]["revision"])  # up to here: the agents never fall silent
     events, cancel = client.watch_prefix(prefix, start_revision=1)
     got: queue.Queue = queue.Queue()
@@ -125,8 +126,30 @@ def history(url: str, prefix: str, quiet_s: float = 1.0) -> list[tuple[str, str]
     return out
 
 
-if __name__ == "__main__":  # `python tests/etcd_server.py URL PREFIX`: the history as JSON (run inside a test host)
-    import json as _json
+def value(url: str, key: str) -> str | None:
+    """One key's value (None: absent), read as `history` reads."""
+    kv = _kv(url)
+    return next((e.value.decode(errors="replace") for e in kv.range(key)[1]), None)
+
+
+def _kv(url: str):  # type: ignore[no-untyped-def]
+    from supervisord_gpu.cluster.etcd import EtcdKV
+    from supervisord_gpu.config.loader import load_daemon_config
+    from supervisord_gpu.config.model import ClusterConfig
+
+    if url.startswith("config:"):
+        cluster = load_daemon_config(Path(url.removeprefix("config:"))).cluster
+        assert cluster is not None, f"{url}: no [cluster] table"
+    else:
+        cluster = ClusterConfig(node="history", etcd=(url,))
+    return EtcdKV(cluster)
+
+
+if __name__ == "__main__":  # run inside a test host, as a node reads etcd (URL or config:DIR):
+    import json as _json  # `etcd_server.py URL PREFIX`: the history; `etcd_server.py URL --get KEY`: a value
     import sys as _sys
 
-    print(_json.dumps(history(_sys.argv[1], _sys.argv[2])))
+    if _sys.argv[2] == "--get":
+        print(_json.dumps(value(_sys.argv[1], _sys.argv[3])))
+    else:
+        print(_json.dumps(history(_sys.argv[1], _sys.argv[2])))

@@ -1,6 +1,8 @@
 """Beyond one machine, for real: three hosts, each a real systemd 252 in its own container and
 network namespace, joined by veth pairs to a bridge only they share (tests/rig/network.py).
-Host c runs Debian's etcd. Hosts a and b have **the built .deb installed** (`dpkg -i`, with
+Host c runs Debian's etcd as a deployment should run it: TLS with client certificates
+(--client-cert-auth) and etcd's authentication, the nodes logging in as `gpusup`, whose role
+reads and writes only under our prefix (tests/etcd_pki.py). Hosts a and b have **the built .deb installed** (`dpkg -i`, with
 Debian's python3-etcd3gw, which the package Suggests for cluster profiles), their config and
 profiles written as an operator would, and the cluster agent started from the package's unit.
 The servers are stand-ins on simulated GPUs (each host its own); the router is the real
@@ -20,6 +22,7 @@ import contextlib
 import json
 import shutil
 import sysconfig
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -28,12 +31,26 @@ from pathlib import Path
 import pytest
 
 from box import CONFIG, REPO, checkout_settings, install
+from etcd_pki import PASSWORD, make_pki
 from support import wait_for
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 PY = f"{REPO}/.venv/bin/python"  # the tests' own tools inside the hosts (client, holders, etcd's history)
 AGENT_UNIT = "/etc/systemd/system/gpusup-agent.service"
 PREFIX = "/supervisord-gpu"
+ETCD_FILES = "/etc/supervisord-gpu/etcd"  # on a node: the CA, its certificate and key, the password (README)
+SERVER_FILES = "/etc/etcd-test"  # on host c: etcd's own certificate and key
+#: a node's [cluster] table: the TLS and login files (its certificate is node-NAME's)
+CLUSTER_TABLE = f"""[cluster]
+node = "{{node}}"
+etcd = ["{{url}}"]
+lease_ttl = 3
+cacert = "{ETCD_FILES}/ca.crt"
+cert = "{ETCD_FILES}/node.crt"
+key = "{ETCD_FILES}/node.key"
+user = "gpusup"
+password_file = "{ETCD_FILES}/password"
+"""
 
 PD = """
 description = "PD across two nodes"
@@ -125,8 +142,16 @@ class Cluster:
         self.net = net
         ns = {name: net.add(name) for name in ("a", "b", "c")}
         self.addr = {name: net.address(name) for name in ns}
+        self.pki = make_pki(Path(tempfile.mkdtemp(prefix="cluster-pki-")), server_ips=(self.addr["c"], "127.0.0.1"),
+                            nodes=("node-a", "node-b"))
         self.c = make(network_namespace=ns["c"], binds=[*repo_binds(), Bind(etcd, "/usr/local/bin/etcd", True)])
+        for name in ("ca.crt", "server.crt", "server.key", "node-a.crt", "node-a.key"):
+            self.c.write_file(f"{SERVER_FILES}/{name}", (self.pki / name).read_bytes(),
+                              mode=0o600 if name.endswith(".key") else 0o644)
         self.start_etcd()
+        # the operator's one-time set-up (README): users, the gpusup role under our prefix, auth on
+        self.c.run([PY, f"{REPO}/tests/etcd_pki.py", "enable-auth", "https://127.0.0.1:2379", f"{SERVER_FILES}/ca.crt",
+                    f"{SERVER_FILES}/node-a.crt", f"{SERVER_FILES}/node-a.key", PREFIX, PASSWORD], timeout=60)
         #: what an operator types on a node: the package's gpusupctl, or the checkout's
         self.ctl = "gpusupctl" if deb else f"{REPO}/.venv/bin/gpusupctl"
         self.nodes = {}
@@ -140,8 +165,11 @@ class Cluster:
                 install_checkout(ctr)
             self.nodes[name] = ctr
             # CONFIG ends in [rehearsal]: the real router there, or a failed start (never the stand-in unnoticed)
+            for mine, theirs, mode in (("ca.crt", "ca.crt", 0o644), (f"node-{name}.crt", "node.crt", 0o644),
+                                       (f"node-{name}.key", "node.key", 0o600), ("password", "password", 0o600)):
+                ctr.write_file(f"{ETCD_FILES}/{theirs}", (self.pki / mine).read_bytes(), mode=mode)
             ctr.write_file("/etc/supervisord-gpu/supervisord-gpu.toml", CONFIG.format(startup=1.0, stall=120.0)
-                           + f'router = "real"\n[cluster]\nnode = "{name}"\netcd = ["{self.etcd_url}"]\nlease_ttl = 3\n')
+                           + 'router = "real"\n' + CLUSTER_TABLE.format(node=name, url=self.etcd_url))
             bad = TP.replace("[servers.big.options]", '[servers.big.env]\nSUPERVISORD_GPU_STANDIN_FAULT = "crash-on-start"\n'
                                                       "[servers.big.options]")
             for profile, text in (("pd", PD), ("tp", TP), ("tpbad", bad)):
@@ -155,18 +183,21 @@ class Cluster:
 
     @property
     def etcd_url(self) -> str:
-        return f"http://{self.addr['c']}:2379"
+        return f"https://{self.addr['c']}:2379"
 
     def start_etcd(self) -> None:
+        """etcd on c, TLS only, every client to show a certificate our CA signed."""
         self.c.run(["systemd-run", "--unit=etcd", "-p", "Type=notify", "--", "/usr/local/bin/etcd", "--name", "c",
-                    "--data-dir", "/var/lib/etcd-test", "--listen-client-urls", f"{self.etcd_url},http://127.0.0.1:2379",
-                    "--advertise-client-urls", self.etcd_url, "--listen-peer-urls", "http://127.0.0.1:2380"], timeout=60)
+                    "--data-dir", "/var/lib/etcd-test", "--listen-client-urls", f"{self.etcd_url},https://127.0.0.1:2379",
+                    "--advertise-client-urls", self.etcd_url, "--listen-peer-urls", "http://127.0.0.1:2380",
+                    "--cert-file", f"{SERVER_FILES}/server.crt", "--key-file", f"{SERVER_FILES}/server.key",
+                    "--trusted-ca-file", f"{SERVER_FILES}/ca.crt", "--client-cert-auth"], timeout=60)
 
     def stop_etcd(self) -> None:
         self.c.systemctl("stop", "etcd")
 
     def history(self) -> list[tuple[str, str]]:
-        out = self.nodes["a"].run([PY, f"{REPO}/tests/etcd_server.py", self.etcd_url, PREFIX + "/"], timeout=60).stdout
+        out = self.nodes["a"].run([PY, f"{REPO}/tests/etcd_server.py", "config:/etc/supervisord-gpu", PREFIX + "/"], timeout=60).stdout
         return [tuple(e) for e in json.loads(out)]  # type: ignore[misc]
 
     def active(self, instance: str) -> dict[str, str]:
@@ -233,12 +264,16 @@ def three_hosts(deb: Path | None = None) -> Iterator[Cluster]:
         return ctr.boot()
 
     net = TestNetwork()
+    cluster = None
     try:
-        yield Cluster(make, net, deb)
+        cluster = Cluster(make, net, deb)
+        yield cluster
     finally:
         for ctr in made:
             ctr.stop()
         net.close()
+        if cluster is not None:
+            shutil.rmtree(cluster.pki, ignore_errors=True)
 
 
 @pytest.fixture
@@ -264,6 +299,30 @@ def queued_at_a_closing_listener(request: dict, terminations: list[float]) -> bo
     return any(abs(request["t0"] - t) < 0.5 for t in terminations)
 
 
+def attacks_on_etcd_are_refused(cluster: Cluster) -> None:
+    """What used to switch a node's deployment (issue #23): a plan written straight into etcd by
+    a local user of node b (curl as `nobody`), by b's neighbour host c without a certificate, or
+    by root of b with b's certificate but without its login. All are refused; `current` stays."""
+    b, c = cluster.nodes["b"], cluster.c
+    forged = json.dumps({"key": "L3N1cGVydmlzb3JkLWdwdS9jdXJyZW50", "value": "dDY2Ng=="})  # /supervisord-gpu/current = t666
+    put = ["curl", "-s", "-S", "--max-time", "5", "--cacert", f"{ETCD_FILES}/ca.crt", "-X", "POST",
+           f"{cluster.etcd_url}/v3/kv/put", "-d", forged]
+    nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+    r = b.run([*nobody, "cat", f"{ETCD_FILES}/node.key"], check=False)
+    assert r.returncode != 0 and "Permission denied" in r.stderr, r  # the key is root's alone
+    r = b.run([*nobody, "cat", f"{ETCD_FILES}/password"], check=False)
+    assert r.returncode != 0 and "Permission denied" in r.stderr, r
+    r = b.run([*nobody, *put], check=False)  # no certificate: the handshake fails
+    assert r.returncode != 0 and '"header"' not in r.stdout, r
+    r = c.run([*put[:6], f"{SERVER_FILES}/ca.crt", *put[7:]], check=False)  # the neighbour, no certificate
+    assert r.returncode != 0 and '"header"' not in r.stdout, r
+    r = b.run([*put, "--cert", f"{ETCD_FILES}/node.crt", "--key", f"{ETCD_FILES}/node.key"], check=False)
+    assert "user name is empty" in r.stdout and '"revision"' not in r.stdout, r  # a certificate alone: no login
+    current = json.loads(b.run([PY, f"{REPO}/tests/etcd_server.py", "config:/etc/supervisord-gpu", "--get",
+                                PREFIX + "/current"], timeout=60).stdout)
+    assert current and current != "t666", current  # the transition that started pd, not the forged one
+
+
 def test_pd_across_two_nodes_then_tp_over_both_and_back_in_order_without_cutting_a_request(cluster):
     a = cluster.nodes["a"]
     cluster.start()  # on a alone: b's part is started by b's agent
@@ -279,6 +338,7 @@ def test_pd_across_two_nodes_then_tp_over_both_and_back_in_order_without_cutting
     assert "node b: agent pid" in shown and "dsv4@pd a" in shown and "pd: decode ready" in shown, shown
     # TP1 servers use the first of their GPUs (as SGLang does); each node's GPUs by its own NVML
     assert "pd: prefill ready, router ready" in shown and shown.count("GPUs: 0 1000 MiB, 1 idle, 2 idle") == 2, shown
+    attacks_on_etcd_are_refused(cluster)
     a.write_file("/root/client.py", textwrap.dedent(CLIENT))
     a.run(["systemd-run", "--unit=client", "--", PY, "/root/client.py", "/root/requests.jsonl"])
     wait_for(lambda: a.run(["sh", "-c", "grep -c '\"status\": 200' /root/requests.jsonl || true"]).stdout.strip() not in ("", "0"),

@@ -9,7 +9,6 @@ the daemon refuses those files when others could; our client with the right file
 
 from __future__ import annotations
 
-import base64
 import os
 import subprocess
 import textwrap
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+import etcd_pki
+from etcd_pki import PASSWORD, b64, make_pki
 from etcd_server import EtcdServer, Tls
 from supervisord_gpu.cluster.plan import ClusterPlan
 from supervisord_gpu.cluster.store import ClusterStore, ClusterUnavailable
@@ -26,77 +27,23 @@ from supervisord_gpu.config.model import ClusterConfig
 from supervisord_gpu.errors import ConfigError
 
 PREFIX = "/gpusup-test"
-PASSWORD = "s3cret-of-the-nodes"
-
-
-def openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-
-def signed(d: Path, name: str, subject: str, ca: str, usage: str, san: str = "") -> tuple[Path, Path]:
-    key, csr, crt, ext = d / f"{name}.key", d / f"{name}.csr", d / f"{name}.crt", d / f"{name}.ext"
-    ext.write_text(f"extendedKeyUsage={usage}\n" + (f"subjectAltName={san}\n" if san else ""))
-    openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key),
-            "-out", str(csr), "-subj", subject)
-    openssl("x509", "-req", "-in", str(csr), "-CA", str(d / f"{ca}.crt"), "-CAkey", str(d / f"{ca}.key"),
-            "-CAcreateserial", "-out", str(crt), "-days", "1", "-extfile", str(ext))
-    os.chmod(key, 0o600)
-    return crt, key
-
-
-def make_ca(d: Path, name: str) -> None:
-    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout",
-            str(d / f"{name}.key"), "-out", str(d / f"{name}.crt"), "-days", "1", "-subj", f"/CN={name}")
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
-    d = tmp_path_factory.mktemp("pki")
-    os.chmod(d, 0o755)
-    make_ca(d, "ca")
-    make_ca(d, "rogue-ca")
-    # the server's CN names no etcd user: the JSON gateway reaches etcd with this certificate
-    signed(d, "server", "/CN=etcd-server", "ca", "serverAuth,clientAuth", "IP:127.0.0.1")
-    # no CN: with authentication on, etcd's JSON gateway refuses a client certificate that has one
-    signed(d, "node-a", "/O=supervisord-gpu/OU=node-a", "ca", "clientAuth", "DNS:node-a")
-    signed(d, "neighbour", "/O=supervisord-gpu/OU=node-a", "rogue-ca", "clientAuth", "DNS:node-a")  # the wrong CA
-    (d / "password").write_text(PASSWORD + "\n")
-    os.chmod(d / "password", 0o600)
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
-def admin(etcd: EtcdServer, path: str, body: dict, token: str = "") -> "requests.Response":  # type: ignore[name-defined]  # noqa: F821
-    import requests
-
+def admin(etcd: EtcdServer, path: str, body: dict, token: str = ""):  # type: ignore[no-untyped-def]
     tls = etcd.tls
     assert tls is not None
-    return requests.post(f"{etcd.url}/v3/{path}", json=body, verify=str(tls.ca), timeout=5,
-                         cert=(str(tls.client_cert), str(tls.client_key)),
-                         headers={"Authorization": token} if token else {})
-
-
-def b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
+    return etcd_pki.admin(etcd.url, str(tls.ca), str(tls.client_cert), str(tls.client_key), path, body, token)
 
 
 def enable_auth(etcd: EtcdServer) -> None:
-    """What the operator does once (etcdctl in the README; the same calls through the gateway):
-    root for the operator, `gpusup` with read/write under PREFIX/ only, a user with no role."""
-    end = PREFIX + "0"  # the key after every PREFIX/...: '/' + 1
-    for path, body in [
-        ("auth/user/add", {"name": "root", "password": "root-pw"}),
-        ("auth/role/add", {"name": "root"}),
-        ("auth/user/grant", {"user": "root", "role": "root"}),
-        ("auth/role/add", {"name": "gpusup"}),
-        ("auth/role/grant", {"name": "gpusup", "perm": {"permType": "READWRITE", "key": b64(PREFIX + "/"),
-                                                        "range_end": b64(end)}}),
-        ("auth/user/add", {"name": "gpusup", "password": PASSWORD}),
-        ("auth/user/grant", {"user": "gpusup", "role": "gpusup"}),
-        ("auth/user/add", {"name": "nobody", "password": "nobody-pw"}),
-        ("auth/enable", {}),
-    ]:
-        r = admin(etcd, path, body)
-        assert r.status_code == 200, (path, r.status_code, r.text)
+    tls = etcd.tls
+    assert tls is not None
+    etcd_pki.enable_auth(etcd.url, str(tls.ca), str(tls.client_cert), str(tls.client_key), PREFIX)
 
 
 @pytest.fixture
