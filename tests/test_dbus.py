@@ -248,3 +248,27 @@ def test_only_root_and_the_control_group_read_a_childs_own_error_lines(daemon, b
     public = json.loads(as_nobody(bus.address, "GetStatus").stdout)
     assert all("last_error" not in p for p in public["processes"]), public
     assert "last_error" not in json.loads(as_nobody(bus.address, "GetProcess", "router").stdout)
+
+
+def test_a_bus_without_our_policy_refuses_the_name_in_plain_words(monkeypatch):
+    """#26: a rehearsal from a checkout (no .deb, so no policy) printed GLib's raw text:
+    "g-dbus-error-quark: GDBus.Error:org.freedesktop.DBus.Error.AccessDenied: ... (9)"."""
+    from supervisord_gpu.api.service import own_name
+    from supervisord_gpu.bus.link import open_connection
+    from supervisord_gpu.errors import BusError
+
+    bare = PrivateBus(policy=None)
+    ours = PrivateBus()
+    try:
+        monkeypatch.setenv("DBUS_SYSTEM_BUS_ADDRESS", bare.address)
+        with pytest.raises(BusError) as said:
+            own_name(open_connection(), names.bus_name("pd-1p1d"))
+        text = str(said.value)
+        assert text == ("the system bus's policy does not let this daemon own org.supervisordgpu.instance.pd_2d1p1d "
+                        "(the package installs that policy: /usr/share/dbus-1/system.d/org.supervisordgpu.conf)"), text
+        if os.geteuid() == 0:  # with our policy root owns it (the policy gives the names to root alone)
+            monkeypatch.setenv("DBUS_SYSTEM_BUS_ADDRESS", ours.address)
+            own_name(open_connection(), names.bus_name("pd-1p1d"))
+    finally:
+        bare.close()
+        ours.close()

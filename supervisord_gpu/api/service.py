@@ -30,7 +30,8 @@ from pydbus.generic import signal as dbus_signal
 
 from ..bus import names
 from ..controller.outcome import Job
-from ..errors import SupervisorError
+from ..bus.errors import DENIED, error_name, first_line
+from ..errors import BusError, SupervisorError
 from .exports import export, exported_methods, introspection_xml
 from ..bus.link import BusLink, system_bus
 
@@ -317,10 +318,7 @@ class BusService:
             pass  # the connection is gone, and the object with it
 
     def _request_name(self, con: Any) -> None:
-        # DO_NOT_QUEUE (4): the name now or an error, as pydbus's publish() asked it
-        reply = self._dbus_call(con, "RequestName", "(su)", (names.bus_name(self.obj.Name), 4))
-        if reply != 1:
-            raise RuntimeError(f"bus name {names.bus_name(self.obj.Name)} not ours (RequestName answered {reply})")
+        own_name(con, names.bus_name(self.obj.Name))
 
     def _dbus_call(self, con: Any, method: str, signature: str, args: tuple[Any, ...]) -> Any:
         GLib = self._GLib
@@ -368,3 +366,20 @@ class BusService:
         self._drop_registration()
         self._glib_loop.quit()
         self._thread.join(timeout=2)
+
+
+def own_name(con: Any, name: str) -> None:
+    """RequestName with DO_NOT_QUEUE (4): the name now or a BusError in plain words, as pydbus's
+    publish() asked it. A refusal by the bus's policy is what a checkout without the .deb sees."""
+    from gi.repository import GLib
+
+    try:
+        reply = con.call_sync("org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus", "RequestName",
+                              GLib.Variant("(su)", (name, 4)), None, 0, 5000, None).unpack()[0]
+    except Exception as e:
+        if error_name(e) in DENIED:
+            raise BusError(f"the system bus's policy does not let this daemon own {name} (the package "
+                           "installs that policy: /usr/share/dbus-1/system.d/org.supervisordgpu.conf)") from None
+        raise BusError(f"could not own {name}: {first_line(e)}") from None
+    if reply != 1:
+        raise BusError(f"bus name {name} is taken (RequestName answered {reply}: another daemon runs this instance)")
