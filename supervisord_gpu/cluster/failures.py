@@ -30,6 +30,7 @@ import re
 #: the errno texts worth naming as they are (socket errors under requests' wrapping)
 _ERRNO = re.compile(r"\[Errno -?\d+\] ([A-Za-z][A-Za-z ,-]{2,60})")
 _SSL = re.compile(r"\[SSL: ([A-Z0-9_]{3,60})\]")
+_KIND = re.compile(r"\b([A-Z][A-Za-z]{2,40}(?:Error|Exception))\b")
 _NAME = ("Name or service not known", "Temporary failure in name resolution", "No address associated")
 
 UNREACHABLE = "cannot be reached"
@@ -72,7 +73,8 @@ def _connection(text: str) -> str:
         return "the connection was closed by the other end"
     if "timed out" in text.lower() or "timeout" in text.lower():
         return "no answer in time"
-    return "the connection failed"
+    kinds = _KIND.findall(text)  # the library's own error class names, the innermost last
+    return f"the connection failed ({kinds[-1]})" if kinds else "the connection failed"
 
 
 def classify(e: BaseException) -> tuple[str, str]:
