@@ -2,7 +2,9 @@
 
 Boots a clean Debian 12 (the rig's debootstrapped tree: no make, no git, no python3-venv)
 with a real systemd, on the host's network (apt needs the mirror; the rehearsal's ports are
-the host's then, so nothing else may run on 30000-30001 meanwhile), copies only the source
+the host's then, so nothing else may run on 30000-30001 meanwhile) and given that network's
+TLS trust anchors as this host has them (give_network_trust: pip's index is reached through a
+network whose certificates only its machines trust), copies only the source
 tree to /root/supervisord-gpu, and runs the README's rehearsal command there as root, as
 written. Prints what it printed and the time; writes bench/results/fresh-debian-root.json.
 Minutes (it installs the venv from the package index). Not part of `make test`: run by hand,
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import ssl
 import subprocess
 import sys
 import tarfile
@@ -41,15 +45,52 @@ def source_tree() -> bytes:
     return buf.getvalue()
 
 
+NETWORK_TRUST = "/usr/local/share/ca-certificates/network-trust.crt"
+SYSTEM_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+
+
+def host_ca_bundle() -> Path:
+    """The CA bundle this host verifies TLS with: $SSL_CERT_FILE, else OpenSSL's default file."""
+    paths = ssl.get_default_verify_paths()
+    for candidate in (os.environ.get("SSL_CERT_FILE"), paths.cafile, paths.openssl_cafile):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    raise SystemExit("fresh_machine: the host has no CA bundle to give the container (set SSL_CERT_FILE)")
+
+
+def give_network_trust(ctr: SystemdContainer) -> Path:
+    """Give the container the trust anchors of the network it is on, as this host has them.
+
+    This is about the network, not the project: the sandbox's network presents TLS
+    certificates signed by an authority that only its machines trust (the host's CA bundle
+    holds it, and the host points pip at that bundle). A fresh machine installed on this
+    network would be handed the same anchor, so the container gets the host's bundle as its
+    system bundle and pip is pointed at it in /etc/pip.conf (pip otherwise verifies with the
+    certifi bundle it vendors, which lacks the network's anchor). Nothing else of the host's
+    pip set-up (local wheel folders, file:// indexes) comes along: the container installs from
+    the network like a newcomer. The bundle is also kept in /usr/local/share/ca-certificates,
+    so that if apt installs ca-certificates meanwhile, its update-ca-certificates keeps it in
+    the system bundle, and pip's path to it never changes.
+    """
+    bundle = host_ca_bundle()
+    data = bundle.read_bytes()
+    ctr.write_file(NETWORK_TRUST, data)
+    ctr.write_file(SYSTEM_BUNDLE, data)
+    ctr.write_file("/etc/pip.conf", f"[global]\ncert = {NETWORK_TRUST}\n")
+    return bundle
+
+
 def main() -> int:
     with SystemdContainer(binds=[], host_network=True) as ctr:
         had = {tool: ctr.run(["sh", "-c", f"command -v {tool}"], check=False).returncode == 0
                for tool in ("make", "git", "python3")}
+        bundle = give_network_trust(ctr)
         ctr.run(["mkdir", "-p", TREE])
         ctr.run(["tar", "-x", "-C", TREE], input=source_tree(), timeout=120)
         mode = ctr.run(["stat", "-c", "%a", "/root"]).stdout.strip()
         print(f"fresh Debian 12: make {'present' if had['make'] else 'absent'}, git {'present' if had['git'] else 'absent'}, "
-              f"python3 {'present' if had['python3'] else 'absent'}; /root mode {mode}; source in {TREE}", flush=True)
+              f"python3 {'present' if had['python3'] else 'absent'}; /root mode {mode}; source in {TREE}; "
+              f"the network's trust from the host's {bundle} (pip: /etc/pip.conf)", flush=True)
         began = time.monotonic()
         r = ctr.run(["sh", "make.sh", "rehearse"], cwd=TREE, check=False, timeout=1500)
         took = time.monotonic() - began
