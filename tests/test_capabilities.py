@@ -1,12 +1,15 @@
 """The daemon's file clean-ups work without CAP_DAC_OVERRIDE and CAP_FOWNER.
 
-Those two are what let a planted link aim root at other users' files (issue #23), so the unit
-no longer keeps them. Each test runs the step in a root process whose bounding set lacks
-them (`setpriv --bounding-set`: root's exec gets only what the bounding set holds), as the
-daemon runs under `dsv4@.service`, against a directory the server's user (`nobody` here)
-filled as it liked: a private TMPDIR is prepared and emptied, its planted links followed
-nowhere, and a leftover /dev/shm segment removed. One test shows that root without them can
-no longer read such a directory itself, which is why the emptying runs as the user.
+Those two are what let a planted link aim root's removals at other users' files (issue #23),
+so the unit no longer keeps them. Each test runs the step in a root process whose bounding
+set lacks them (`setpriv --bounding-set`: root's exec gets only what the bounding set holds),
+as the daemon runs under `dsv4@.service`, against a directory the server's user (`nobody`
+here) filled as it liked: a private TMPDIR is prepared (its parents passable by that user)
+and emptied, its planted links followed nowhere, a compile cache shared by two servers of
+one user prepared by both at once, and a leftover /dev/shm segment removed.
+One test shows that root without them can no longer empty such a directory itself, which is
+why the emptying runs as the user. Two show why CAP_DAC_READ_SEARCH stays: without it root
+cannot list another user's /proc/PID/fd, so a server's own listener would look like nobody's.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-DROPPED = "-dac_override,-fowner,-dac_read_search"
+DROPPED = "-dac_override,-fowner"  # what dsv4@.service's CapabilityBoundingSet leaves out
 
 
 @pytest.fixture
@@ -41,7 +44,7 @@ def nobody() -> pwd.struct_passwd:
 
 @pytest.fixture
 def base() -> Iterator[Path]:
-    """A root-owned 0755 parent, as /run/supervisord-gpu/PROFILE/tmp is."""
+    """A root-owned 0755 parent, as /run/supervisord-gpu/PROFILE is (RuntimeDirectoryMode=0755)."""
     path = Path(f"/tmp/caps-{uuid.uuid4().hex[:10]}")
     path.mkdir(mode=0o755)
     os.chmod(path, 0o755)
@@ -49,9 +52,9 @@ def base() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def as_daemon(code: str) -> dict:
-    """Run `code` as root without CAP_DAC_OVERRIDE, CAP_FOWNER (and DAC_READ_SEARCH); it prints JSON."""
-    done = subprocess.run(["setpriv", f"--bounding-set={DROPPED}", sys.executable, "-c", code],
+def as_daemon(code: str, also: str = "") -> dict:
+    """Run `code` as root without CAP_DAC_OVERRIDE and CAP_FOWNER (and `also`); it prints JSON."""
+    done = subprocess.run(["setpriv", f"--bounding-set={DROPPED}{also}", sys.executable, "-c", code],
                           cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -66,14 +69,15 @@ PREAMBLE = """
 import json, os, sys
 from pathlib import Path
 sys.path.insert(0, os.getcwd())
+os.umask(0o027)  # the unit's UMask
 caps = dict(l.split(":", 1) for l in open("/proc/self/status") if l.startswith("Cap"))
-assert not int(caps["CapEff"], 16) & ((1 << 1) | (1 << 2) | (1 << 3)), caps  # really without them
+assert not int(caps["CapEff"], 16) & ((1 << 1) | (1 << 3)), caps  # really without them
 from supervisord_gpu.ownership.files import PrivateDir, ShmTracker, _clear
 """
 
 
 def test_a_private_tmpdir_is_prepared_and_emptied_without_dac_override_and_fowner(nobody, base):
-    tmpdir = base / "server"
+    tmpdir = base / "tmp" / "server"  # tmp/ is made by prepare, under the unit's umask
     victim = base / "roots-file"
     victim.write_text("root's\n")
     os.chmod(victim, 0o600)
@@ -85,6 +89,7 @@ print(json.dumps({{"mode": st.st_mode & 0o7777, "uid": st.st_uid}}))
 """
     made = as_daemon(code)
     assert made == {"mode": 0o700, "uid": nobody.pw_uid}
+    assert os.stat(tmpdir.parent).st_mode & 0o7777 == 0o711  # its user passes through, nobody lists it
     # the server's user fills it as it likes: nested directories, links out to root's file and to /etc
     as_nobody(f"cd {tmpdir} && mkdir -p a/b && touch a/b/c ipc1 && chmod 000 a/b && ln -s {victim} l && ln -s /etc e")
     as_nobody(f"chmod 0755 {tmpdir}")  # a mode gone wrong while it is the user's: prepare puts it back
@@ -102,7 +107,33 @@ print(json.dumps({{"mode": mode, "removed": sorted(removed)}}))
     assert victim.read_text() == "root's\n" and Path("/etc/passwd").exists()  # nothing followed
 
 
-def test_root_without_dac_override_cannot_read_the_users_tmpdir_itself(nobody, base):
+def test_two_servers_of_one_user_prepare_their_shared_cache_side_by_side_without_fowner(nobody, base):
+    """Prefill and decode run as one user and share its compile cache; the daemon prepares both
+    in threads at once. Without CAP_FOWNER a chmod landing after the other's last chown failed
+    with EPERM (seen in 12 of 32 first starts under systemd), and the whole start with it."""
+    code = PREAMBLE + f"""
+import threading
+errors = []
+for round in range(40):
+    d = Path({str(base)!r}) / "cache" / f"r{{round}}" / "user"
+    gate = threading.Barrier(4)
+    def prepare():
+        gate.wait()
+        try:
+            PrivateDir(d, {nobody.pw_uid}, {nobody.pw_gid}).prepare()
+        except OSError as e:
+            errors.append(repr(e))
+    threads = [threading.Thread(target=prepare) for _ in range(4)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    st = os.stat(d)
+    assert (st.st_uid, st.st_mode & 0o7777) == ({nobody.pw_uid}, 0o700), (st.st_uid, oct(st.st_mode))
+print(json.dumps({{"errors": errors[:3]}}))
+"""
+    assert as_daemon(code) == {"errors": []}
+
+
+def test_root_without_dac_override_cannot_empty_the_users_tmpdir_itself(nobody, base):
     """Why the emptying runs as the user: done by root in-process (before), it now fails."""
     tmpdir = base / "server"
     tmpdir.mkdir(mode=0o700)
@@ -147,3 +178,26 @@ print(json.dumps({{"removed": removed}}))
         proc.wait()
         if os.path.lexists(seg):
             seg.unlink()
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["with-dac-read-search", "without-it"])
+def test_the_daemon_sees_a_servers_sockets_only_with_dac_read_search(nobody, kept):
+    """A server's listener is told from a stranger's by the socket inodes in its /proc/PID/fd;
+    listing another user's fd directory needs CAP_DAC_READ_SEARCH (ptrace rights are not
+    enough), so without it the daemon waited forever for its own server to answer as itself."""
+    proc = subprocess.Popen(
+        ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "/usr/bin/python3", "-c",
+         "import socket, sys\ns = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+         "print('ready', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        code = PREAMBLE + f"""
+from supervisord_gpu.ownership.procfs import fd_targets
+print(json.dumps({{"sockets": sum(t.startswith("socket:[") for t in fd_targets({proc.pid}))}}))
+"""
+        seen = as_daemon(code, also="" if kept else ",-dac_read_search")["sockets"]
+        assert (seen >= 1) if kept else (seen == 0)
+    finally:
+        proc.kill()
+        proc.wait()

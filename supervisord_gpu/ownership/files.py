@@ -29,6 +29,7 @@ import os
 import shutil
 import stat
 import subprocess
+import threading
 import time
 from ..records import dataclass, field
 from pathlib import Path
@@ -48,13 +49,15 @@ CLEAR_TIMEOUT_S = 30.0
 
 Ident = tuple[int, int]  # (st_dev, st_ino)
 
+_PREPARING = threading.Lock()  # one re-owning at a time in this daemon (PrivateDir.prepare)
+
 
 @dataclass
 class PrivateDir:
     """A directory owned by the child's user, mode 0700, under a root-owned parent.
 
-    Root neither reads nor writes inside it: the daemon keeps no CAP_DAC_OVERRIDE or
-    CAP_FOWNER (they are what let a planted link aim root's clean-up at other users' files),
+    Root never writes inside it: the daemon keeps no CAP_DAC_OVERRIDE or CAP_FOWNER (they
+    are what let a planted link aim root's clean-up at other users' files),
     so the mode is set while the directory is still root's, and emptying it is done by a
     short-lived process running as its user (`clear`): it can remove only what that user
     could remove anyway, whatever the user planted inside.
@@ -66,8 +69,23 @@ class PrivateDir:
     mode: int = 0o700
 
     def prepare(self) -> None:
-        """Create it (and root-owned parents); re-own it if it exists. Refuses a symlink in its place."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """Create it (and root-owned parents); re-own it if it exists. Refuses a symlink in its place.
+
+        Two servers of one user share a compile cache and are started side by side (threads
+        here, or another instance's daemon): without CAP_FOWNER the chown-chmod-chown below
+        fails with EPERM if the other one's last chown lands between ours, so it is done under
+        a lock and, should another daemon win that race, re-checked: its result is ours."""
+        with _PREPARING:
+            _make_passable(self.path.parent)
+            for attempt in range(3):
+                try:
+                    self._own()
+                    return
+                except PermissionError:
+                    if attempt == 2:
+                        raise
+
+    def _own(self) -> None:
         try:
             os.mkdir(self.path, self.mode)
         except FileExistsError:
@@ -90,6 +108,28 @@ class PrivateDir:
         if os.geteuid() == 0 and self.uid != 0:
             return _clear_as(self.uid, self.gid, self.path)
         return _clear(self.path)
+
+
+def _make_passable(parent: Path) -> None:
+    """Create `parent` and what is missing above it as 0711: its user must pass through them
+    to reach its directory (the unit's UMask=0027 would make them 0750, root's alone: the
+    server then had no usable TMPDIR, and emptying it as its user could not reach it), and
+    nobody may list them. An existing parent of ours that others cannot pass is made passable."""
+    missing = []
+    here = parent
+    while not here.exists():
+        missing.append(here)
+        here = here.parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d, 0o711)
+    st = os.lstat(parent)
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError(errno.ENOTDIR, f"{parent} exists and is not a directory")
+    for d in missing:  # the umask took bits away
+        os.chmod(d, 0o711, follow_symlinks=False)
+    if not missing and st.st_uid == os.geteuid() and st.st_mode & 0o011 != 0o011:
+        os.chmod(parent, stat.S_IMODE(st.st_mode) | 0o011, follow_symlinks=False)
 
 
 def _clear(path: Path) -> list[str]:
