@@ -123,3 +123,58 @@ def test_requests_paragraphs_become_a_few_words(text: str, expected: str) -> Non
 def test_clean_is_one_printable_line() -> None:
     assert clean("a\nb\x1b[31mc\td", 80) == "a b [31mc d"
     assert len(clean("x" * 500)) == 120
+
+
+
+def _cut_off_then(whole: int) -> tuple[Any, list[str]]:
+    """A range answer that breaks off after its first bytes (Content-Length promises more),
+    `whole` times whole after that, then cut off again; what was answered, in order."""
+    said: list[str] = []
+
+    def answer(h: Any) -> None:
+        body = b'{"header": {"revision": "9"}, "kvs": []}'
+        cut = not (0 < len(said) <= whole)
+        said.append("cut" if cut else "whole")
+        h.send_response_only(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body[:7] if cut else body)
+        h.wfile.flush()
+        if cut:
+            h.close_connection = True
+            h.connection.shutdown(socket.SHUT_RDWR)
+
+    return answer, said
+
+
+def test_a_read_whose_answer_is_cut_off_once_is_read_again(etcd: tuple[str, Any]) -> None:
+    """A start waiting on its peers read etcd, the answer broke off (under load, over TLS), and
+    the whole start failed with "the connection failed". A read may be repeated: once."""
+    url, handler = etcd
+    answer, said = _cut_off_then(whole=1)
+    handler.answers = {"/v3/kv/range": answer}
+    assert store_at(url).processes("pd") == []
+    assert said == ["cut", "whole"]
+
+
+def test_an_answer_cut_off_twice_is_one_line_naming_it(etcd: tuple[str, Any]) -> None:
+    url, handler = etcd
+    answer, said = _cut_off_then(whole=0)
+    handler.answers = {"/v3/kv/range": answer}
+    with pytest.raises(ClusterUnavailable) as e:
+        store_at(url).processes("pd")
+    assert str(e.value).endswith("cannot be reached (reading /supervisord-gpu/parts/pd/): its answer was cut off"), str(e.value)
+    assert said == ["cut", "cut"]  # read twice, not more
+
+
+def test_a_write_whose_answer_is_cut_off_is_not_repeated(etcd: tuple[str, Any]) -> None:
+    """A write may have been done by the time its answer broke off (a create that succeeded,
+    repeated, would say it lost): it is never sent twice."""
+    url, handler = etcd
+    answer, said = _cut_off_then(whole=5)
+    handler.answers = {"/v3/kv/txn": answer}
+    store = store_at(url)
+    with pytest.raises(Exception, match="IncompleteRead"):
+        store.kv.delete_if(store.key("lock"), b"x")
+    assert said == ["cut"]

@@ -225,7 +225,14 @@ class EtcdKV:
         body = {"key": _b64(key)}
         if prefix:
             body["range_end"] = _b64(key[:-1] + chr(ord(key[-1]) + 1))
-        reply = self.client.post(self.client.get_url("/kv/range"), json=body)
+        try:
+            reply = self.client.post(self.client.get_url("/kv/range"), json=body)
+        except Exception as e:
+            if not _broke_off(e):
+                raise
+            # a read may be repeated: one answer cut off in transit (seen under load over TLS)
+            # must not fail a start that waits on its peers; a second failure is the answer
+            reply = self.client.post(self.client.get_url("/kv/range"), json=body)
         out = [Entry(_unb64(kv.get("key")).decode(errors="replace"), _unb64(kv.get("value", "")),
                      int(kv.get("lease", 0) or 0), int(kv.get("mod_revision", 0) or 0))
                for kv in reply.get("kvs", []) if isinstance(kv, dict)]
@@ -251,3 +258,15 @@ class EtcdKV:
                 self.client.watch_prefix_once(prefix, timeout=timeout)
         except WatchTimedOut:
             pass
+
+
+def _broke_off(e: BaseException) -> bool:
+    """A request that failed in transit (refused, reset, its answer cut off), not one etcd
+    or anyone answered: etcd3gw wraps requests' connection errors with no HTTP reason."""
+    import requests
+
+    if "timed out" in str(getattr(e, "detail_text", "") or e):
+        return False  # a silent etcd is waited for once: the caller's deadline is counted on that
+    if type(e).__name__ == "ConnectionFailedError" and type(e).__module__.startswith("etcd3gw"):
+        return not e.args  # with args, it is an answer: an HTTP 503 and its reason
+    return isinstance(e, (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError))

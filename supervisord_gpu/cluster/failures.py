@@ -31,6 +31,7 @@ import re
 _ERRNO = re.compile(r"\[Errno -?\d+\] ([A-Za-z][A-Za-z ,-]{2,60})")
 _SSL = re.compile(r"\[SSL: ([A-Z0-9_]{3,60})\]")
 _KIND = re.compile(r"\b([A-Z][A-Za-z]{2,40}(?:Error|Exception))\b")
+_CUT = ("IncompleteRead", "Connection broken", "ended prematurely")  # an answer begun, then gone
 _NAME = ("Name or service not known", "Temporary failure in name resolution", "No address associated")
 
 UNREACHABLE = "cannot be reached"
@@ -69,6 +70,8 @@ def _connection(text: str) -> str:
     m = _ERRNO.search(text)
     if m:
         return m.group(1).strip().lower()
+    if any(n in text for n in _CUT):
+        return "its answer was cut off"
     if "RemoteDisconnected" in text or "Connection aborted" in text or "reset" in text.lower():
         return "the connection was closed by the other end"
     if "timed out" in text.lower() or "timeout" in text.lower():
