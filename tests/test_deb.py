@@ -41,6 +41,7 @@ INSTALLED = (
     "/usr/share/bash-completion/completions/gpusupctl",
     "/usr/share/polkit-1/rules.d/50-supervisord-gpu.rules",
     "/usr/lib/python3/dist-packages/supervisord_gpu/data/sglang-0.5.23-flags.txt",
+    "/usr/lib/python3/dist-packages/supervisord_gpu/data/standin-model/tokenizer.json",  # a rehearsal's router loads it
 )
 APT_ENV = {"DEBIAN_FRONTEND": "noninteractive"}
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import socket
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ from supervisord_gpu.config.render import render
 from supervisord_gpu.sglang import router_key
 from supervisord_gpu.engine.traffic import RouterWorkers
 from supervisord_gpu.rehearsal import standin_router, standin_server
-from support import free_ports, make_instance, wait_for, write_config
+from support import free_ports, make_instance, pd_profile, wait_for, write_config
 
 PY = sys.executable
 SETPRIV = shutil.which("setpriv")
@@ -470,3 +472,80 @@ def test_a_process_of_the_routers_own_user_cannot_read_the_key_from_its_environm
         proc.kill()
         proc.wait()
         shutil.rmtree(where)
+
+
+# --------------------------------------------------------------------------- nothing beyond loopback
+
+
+class ProxyListener:
+    """What HTTPS_PROXY and HTTP_PROXY point at: the first line of every request a client sends
+    through them (a `CONNECT host:443` for https), answered by a closed connection."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.seen: list[str] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(2)
+                try:
+                    self.seen.append(conn.recv(4096).split(b"\r\n", 1)[0].decode(errors="replace"))
+                except OSError as e:
+                    self.seen.append(repr(e))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@pytest.mark.skipif(not have_real_router(), reason="sglang-router not installed")
+def test_the_real_router_in_a_rehearsal_reaches_nothing_beyond_loopback(tmp_path: Path, cgroups: Any,
+                                                                          capsys: Any) -> None:
+    """Issue #26. sglang-router 0.3.2 loads a tokenizer for each worker it registers, from the
+    model_path in the worker's /server_info: a path that does not exist on its host is taken for a
+    Hugging Face id and fetched from the hub (a `CONNECT huggingface.co:443` per worker). The
+    profile's model (here the shipped pd-1p1d's) is not on a rehearsal's machine; the stand-in
+    reports a local directory holding a stand-in tokenizer instead, and the router loads that."""
+    proxy = ProxyListener()
+    loopback = "127.0.0.1,localhost,::1"
+    env = "".join(f'{k} = "{proxy.url}"\n' for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy",
+                                                     "ALL_PROXY", "all_proxy"))
+    env += f'NO_PROXY = "{loopback}"\nno_proxy = "{loopback}"\n'
+    quick = {f"{r}_extra": f'[servers.{r}.env]\n{standin_server.ENV_DRAIN_POLL_S} = "0.2"' for r in ("prefill", "decode")}
+    text = pd_profile(free_ports(5), router_extra="[router.env]\n" + env, **quick)
+    text = text.replace('"/models/test"', '"/models/DeepSeek-V4"')  # the shipped pd-1p1d's, not on this machine
+    cdir = write_config(tmp_path, {"p": text}, cgroups.root, startup=0.3, router="real")
+    instance, _ = make_instance(cdir, "p")
+    lines: list[str] = []
+
+    def router_lines() -> list[str]:
+        lines.extend(ANSI.sub("", x) for x in capsys.readouterr().err.splitlines() if x.startswith("router|"))
+        return lines
+
+    async def go() -> None:
+        await instance.start()
+        try:  # both workers' registrations have run their tokenizer step (where the fetch was)
+            await asyncio.to_thread(wait_for, lambda: sum("step_id=register_tokenizer duration_ms" in x
+                                                          for x in router_lines()) >= 2, 15, "register_tokenizer x2")
+        finally:
+            await instance.stop()
+
+    try:
+        asyncio.run(go())
+    finally:
+        proxy.close()
+    assert proxy.seen == [], proxy.seen
+    tokenizer = [x for x in lines if "okenizer" in x and "workflow::event" not in x]
+    assert any("Successfully registered tokenizer" in x for x in tokenizer), tokenizer
+    assert not any("Failed" in x or "HuggingFace" in x for x in tokenizer), tokenizer

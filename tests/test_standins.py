@@ -352,6 +352,15 @@ def test_settings_from_environment() -> None:
             S.Settings.from_env(bad)
 
 
+def test_model_path_is_reported_as_given_only_where_it_is_on_this_machine(tmp_path: Path) -> None:
+    """Elsewhere the stand-in's tokenizer directory: the real router would take the path for a hub id."""
+    assert S.reported_model_path(str(tmp_path)) == str(tmp_path)
+    for absent in (str(tmp_path / "DeepSeek-V4"), "org/model"):
+        assert S.reported_model_path(absent) == str(S.STANDIN_MODEL_DIR)
+    tokenizer = json.loads((S.STANDIN_MODEL_DIR / "tokenizer.json").read_text())
+    assert tokenizer["model"]["type"] == "WordLevel" and "stand-in" in tokenizer["model"]["vocab"]
+
+
 def test_tqdm_bar_text_is_tqdms() -> None:
     bar = S.Bar.__new__(S.Bar)
     bar.desc, bar.total, bar.style, bar.n, bar.t0, bar.last_len = "Capturing batches (bs=256)", 20, "bar", 6, \
@@ -489,7 +498,9 @@ def test_server_and_model_info(procs: Procs) -> None:
         info = json.loads(body)
         assert code == 200
         assert info["tp_size"] == 2 and info["dp_size"] == 1 and info["port"] == port
-        assert info["model_path"] == "test/model" and info["disaggregation_mode"] == "decode"
+        # "test/model" is not on this machine: the stand-in's tokenizer directory, what the router loads
+        assert info["model_path"] == info["tokenizer_path"] == str(S.STANDIN_MODEL_DIR)
+        assert info["served_model_name"] == "served" and info["disaggregation_mode"] == "decode"
         assert info["version"] == "0.5.23" and info["max_total_num_tokens"] > 0
         assert sorted(info["scheduler_pids"]) == sorted(c.pid for c in children_of(p.pid))
         assert len(info["scheduler_pids"]) == 3  # two schedulers and the detokenizer
@@ -497,6 +508,8 @@ def test_server_and_model_info(procs: Procs) -> None:
         code, body = http("GET", f"http://127.0.0.1:{port}{path}")
         info = json.loads(body)
         assert code == 200 and info["is_generation"] is True and info["served_model_name"] == "served"
+        assert info["model_path"] == info["tokenizer_path"] == str(S.STANDIN_MODEL_DIR)
+    assert (S.STANDIN_MODEL_DIR / "tokenizer.json").is_file()
 
 
 # --- /health, /ready, /metrics -----------------------------------------------------------
@@ -1133,7 +1146,8 @@ def test_router_regular_mode(procs: Procs, router: list[str]) -> None:
         assert json.loads(body)["meta_info"]["completion_tokens"] == 2
     workers = workers_of(port)
     assert {w["worker_type"] for w in workers} == {"regular"}
-    assert all(w["metadata"]["tp_size"] == "1" and w["metadata"]["model_path"] == "test/model" for w in workers)
+    assert all(w["metadata"]["tp_size"] == "1" and w["metadata"]["model_path"] == str(S.STANDIN_MODEL_DIR)
+               and w["model_id"] == "test/model" for w in workers)
     rp.send_signal(signal.SIGTERM)
     assert rp.wait(timeout=10) == 0
 

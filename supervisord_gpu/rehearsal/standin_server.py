@@ -56,6 +56,15 @@ Endpoints (0.5.23's srt/entrypoints/http_server.py and srt/managers/tokenizer_ma
 from the wheel; file:line below is inside sglang/srt/). /v1/models, /model_info answer 200 as
 soon as HTTP is up; /generate is served from then on, also while draining. A "scheduler step"
 (one batch, prefill or decode) takes SUPERVISORD_GPU_STANDIN_TOKEN_S, else 0.02 s.
+ model_path in /server_info and /model_info (and tokenizer_path, unless --tokenizer-path): the
+    --model-path where it exists on this machine, as SGLang reports it; where it does not (a
+    rehearsal's /models/..., a test's "test/model"), STANDIN_MODEL_DIR, a directory of the
+    package holding a stand-in tokenizer.json. sglang-router 0.3.2 loads a tokenizer for every
+    worker it registers from the model_path in /server_info, and takes a path missing on its
+    host for a Hugging Face id, fetched from the hub over the network (issue #26): the real
+    model directory is what it finds in production (the daemon refuses a model_path that is not
+    there), the stand-in's is what it finds in a rehearsal. served_model_name (the router's
+    model id, /v1/models) stays the --model-path.
  /server_info = /get_server_info (+ "stand_in_files": its ipc and shm paths, "scheduler_pids":
     every child's pid, "stand_in_mm_segments": see MM_SHM) asks the scheduler (get_internal_state,
     managers/tokenizer_control_mixin.py:967, which also installs the lazy handlers like a
@@ -228,6 +237,9 @@ from supervisord_gpu.rehearsal._http import (
 )
 from supervisord_gpu.sglang.options import SGLANG_VERSION, parse_args
 from supervisord_gpu.rehearsal.rendezvous import Rendezvous, RendezvousError
+
+#: what /server_info reports as model_path when --model-path is not on this machine (see above)
+STANDIN_MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "standin-model"
 
 ENV_STARTUP_S = "SUPERVISORD_GPU_STANDIN_STARTUP_S"
 ENV_MIB = "SUPERVISORD_GPU_STANDIN_MIB"
@@ -424,6 +436,13 @@ def resolve_gpus(args: argparse.Namespace, env: dict[str, str] | os._Environ[str
             f"(needs visible device {max(logical)}, CUDA_VISIBLE_DEVICES={visible_text!r})"
         )
     return [visible[i] for i in logical]
+
+
+def reported_model_path(model_path: str | None) -> str | None:
+    """The model_path /server_info reports: the given one where it exists here, else the stand-in's."""
+    if model_path is None or os.path.exists(model_path):
+        return model_path
+    return str(STANDIN_MODEL_DIR)
 
 
 def cache_key(model_path: str, tp_size: int) -> str:
@@ -740,6 +759,7 @@ class StandinServer:
         self.settings = settings
         self.argv = list(argv)
         self.served_model_name = args.served_model_name or args.model_path
+        self.model_path = reported_model_path(args.model_path)
         self.context_len = args.context_length or 131072
         self.is_generation = not args.is_embedding
         self.pd_mode = args.disaggregation_mode
@@ -842,6 +862,9 @@ class StandinServer:
         self.log(f"server_args=ServerArgs(model_path={a.model_path!r}, tp_size={a.tp_size}, dp_size={a.dp_size}, "
                  f"host={a.host!r}, port={a.port}, disaggregation_mode={a.disaggregation_mode!r}, "
                  f"base_gpu_id={a.base_gpu_id}, ...)  [stand-in]")
+        if self.model_path != a.model_path:
+            self.log(f"stand-in: {a.model_path} is not on this machine; /server_info reports {self.model_path} "
+                     "as model_path (a stand-in tokenizer, which the router loads instead of asking the hub)")
         try:
             self._prepare_gpus()
             self._spawn_children()
@@ -1721,9 +1744,9 @@ class StandinServer:
     def model_info(self) -> dict[str, Any]:
         a = self.args
         return {
-            "model_path": a.model_path,
+            "model_path": self.model_path,
             "served_model_name": self.served_model_name,
-            "tokenizer_path": a.tokenizer_path or a.model_path,
+            "tokenizer_path": a.tokenizer_path or self.model_path,
             "is_generation": self.is_generation,
             "preferred_sampling_params": a.preferred_sampling_params,
             "weight_version": a.weight_version,
@@ -1757,6 +1780,8 @@ class StandinServer:
         with self.lock:
             status = "ready" if self.up else "starting"
         info.update({
+            "model_path": self.model_path,
+            "tokenizer_path": self.args.tokenizer_path or self.model_path,
             "served_model_name": self.served_model_name,
             "context_length": self.args.context_length,
             "launch_command": " ".join([sys.executable, "-m", "sglang.launch_server", *self.argv]),
