@@ -133,6 +133,9 @@ def daemon_run(user: str) -> dict[str, object]:
     write_config(cdir, user)
     os.chmod(REPO / ".device", 0o755)
     log = Path("/tmp/gpusup-sandbox-daemon.log")
+    # Stands in for systemd's delegated cgroup: this machine has no systemd, and /sys/fs/cgroup
+    # is 0555 here; the unit's daemon keeps no CAP_DAC_OVERRIDE, so it cannot make our root itself
+    Path("/sys/fs/cgroup/supervisord-gpu").mkdir(mode=0o755, exist_ok=True)
     baseline = used_mib()
     argv = sandbox(None, [str(RUNTIME), str(CACHE), "/sys/fs/cgroup"]) + [
         sys.executable, "-m", "supervisord_gpu.cli.daemon", "run", "one", "--config-dir", str(cdir), "--stderr"]
