@@ -683,7 +683,19 @@ class SystemdContainer:
                 self.stop()
             raise
         self.boot_seconds = time.monotonic() - t0
+        self._make_binds_reachable()
         return self
+
+    def _make_binds_reachable(self) -> None:
+        """Let every user of the container pass the directories above a bind (a checkout in
+        /root: nspawn makes its mount point under the image's 0700 /root, and a test that runs
+        the checkout's gpusupctl as a gpusup member got "Permission denied"). It is the
+        container's own /root, on its volatile overlay: the host's stays as it is."""
+        mounted = [Path(b.container or b.host) for b in self.binds]
+        above = sorted({str(p) for m in mounted for p in m.parents
+                        if str(p) != "/" and not any(p.is_relative_to(n) for n in mounted)})  # never the host's
+        if above:
+            self.run(["chmod", "go+x", *above])
 
     def _network_args(self) -> list[str]:
         """A private loopback by default: tests running in parallel each get their own 30001."""
