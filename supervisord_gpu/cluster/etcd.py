@@ -49,6 +49,11 @@ ANSWER_MAX = 4 << 20
 
 class AnswerTooLarge(Exception):
     """An answer over ANSWER_MAX: not etcd's (cluster/failures.py)."""
+
+
+class AnswerCutOff(Exception):
+    """An answer that ended before its Content-Length: the connection went in mid-answer.
+    urllib3 2 says so itself; Debian 12's urllib3 1.26 hands over the short body as if whole."""
 #: etcd's tokens are short ASCII (simple or JWT); anything else is not etcd's login answer
 _TOKEN_MAX = 8192
 
@@ -152,7 +157,10 @@ def _read_bounded(r: Any, deadline: float) -> Any:
     timer.start()
     chunks, size = [], 0
     try:
-        for chunk in r.iter_content(65536):
+        # 1 kB off the wire at a time: Debian 12's urllib3 (1.26) inflates each raw read whole,
+        # so 64 kB of gzip became one 64 MiB chunk before the cap could look (141 MiB peak);
+        # deflate inflates at most ~1,032:1, so a chunk is at most ~1 MiB here
+        for chunk in r.iter_content(1024):
             size += len(chunk)
             if size > ANSWER_MAX:
                 raise AnswerTooLarge(f"over {ANSWER_MAX >> 20} MiB")
@@ -165,6 +173,9 @@ def _read_bounded(r: Any, deadline: float) -> Any:
         timer.cancel()
     if late.is_set():  # the read failed because the timer closed it, or ended just as it fired
         raise TimeoutError("the answer was still arriving at its deadline")
+    promised = str(r.headers.get("Content-Length", "")).strip()
+    if promised.isdigit() and r.raw.tell() < int(promised):  # bytes off the wire, before any decoding
+        raise AnswerCutOff(f"{r.raw.tell()} of {promised} bytes")
     r._content = b"".join(chunks)
     r._content_consumed = True
     return r
@@ -194,12 +205,18 @@ class EtcdKV:
         host = url.hostname or "127.0.0.1"
         base = f"{url.scheme}://{'[' + host + ']' if ':' in host else host}:{url.port or 2379}/v3/"
         login = (cfg.user, read_password(cfg.password_file or "")) if cfg.user else None
-        session = _session(base, (ca, cert, key), login, ETCD_REQUEST_TIMEOUT_S)
-        self.client = Etcd3Client(host=host, port=url.port or 2379, protocol=url.scheme, timeout=ETCD_REQUEST_TIMEOUT_S,
-                                  api_path="/v3/")
-        # every request and watch goes through client.session: set after construction, since
-        # Debian 12's python3-etcd3gw (2.0.0) takes no session argument (2.7.0 does)
-        self.client.session = session
+
+        def client() -> Any:
+            made = Etcd3Client(host=host, port=url.port or 2379, protocol=url.scheme, timeout=ETCD_REQUEST_TIMEOUT_S,
+                               api_path="/v3/")
+            # every request and watch goes through client.session: set after construction, since
+            # Debian 12's python3-etcd3gw (2.0.0) takes no session argument (2.7.0 does)
+            made.session = _session(base, (ca, cert, key), login, ETCD_REQUEST_TIMEOUT_S)
+            return made
+
+        self._new_client = client
+        self.client = client()
+        self._watching = threading.local()
 
     def _lease(self, lease: int) -> Any:
         from etcd3gw.lease import Lease
@@ -251,13 +268,27 @@ class EtcdKV:
     def watch_once(self, prefix: str, timeout: float, start_revision: int = 0) -> None:
         from etcd3gw.exceptions import WatchTimedOut
 
+        watcher = self._watch_client()
         try:
             if start_revision:
-                self.client.watch_prefix_once(prefix, timeout=timeout, start_revision=start_revision)
+                watcher.watch_prefix_once(prefix, timeout=timeout, start_revision=start_revision)
             else:
-                self.client.watch_prefix_once(prefix, timeout=timeout)
+                watcher.watch_prefix_once(prefix, timeout=timeout)
         except WatchTimedOut:
             pass
+
+
+    def _watch_client(self) -> Any:
+        """This thread's own client for watches. etcd3gw ends a watch by closing the connection
+        adapter of the session it came through, which closes that session's connection pools:
+        on the session the other threads use, a request entering a pool just then failed with
+        urllib3's "Pool is closed" (a start waiting on its peers, and the lease keep-alive
+        beside it, failed with "the connection failed" in the three-host test). A watch's
+        session is used by no other thread, and only for watches."""
+        made = getattr(self._watching, "client", None)
+        if made is None:
+            made = self._watching.client = self._new_client()
+        return made
 
 
 def _broke_off(e: BaseException) -> bool:
@@ -265,6 +296,8 @@ def _broke_off(e: BaseException) -> bool:
     or anyone answered: etcd3gw wraps requests' connection errors with no HTTP reason."""
     import requests
 
+    if isinstance(e, AnswerCutOff):
+        return True
     if "timed out" in str(getattr(e, "detail_text", "") or e):
         return False  # a silent etcd is waited for once: the caller's deadline is counted on that
     if type(e).__name__ == "ConnectionFailedError" and type(e).__module__.startswith("etcd3gw"):

@@ -109,6 +109,8 @@ def classify(e: BaseException) -> tuple[str, str]:
         if "JSON" in name:
             return NOT_ETCD, "its answer is not JSON"
         return UNREACHABLE, _connection(str(e))
+    if name == "AnswerCutOff":  # cluster/etcd.py's length check
+        return UNREACHABLE, "its answer was cut off"
     if name == "AnswerTooLarge":  # cluster/etcd.py's size cap
         return NOT_ETCD, f"its answer is {clean(e, 40)}"
     if isinstance(e, TimeoutError):
