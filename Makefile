@@ -7,7 +7,7 @@ PY      ?= /usr/bin/python3
 VENV    ?= .venv
 PROFILE ?= pd-1p1d
 APT_PKGS = python3-venv python3-gi dbus libglib2.0-bin
-TEST_APT_PKGS = systemd-container debootstrap dbus prometheus etcd-server openssl python3-etcd3gw python3-psutil python3-pytest
+TEST_APT_PKGS = systemd-container debootstrap dbus prometheus etcd-server openssl
 # Debian starts and enables the daemons it installs (etcd on 2379, prometheus on 9090, its node
 # exporter on 9100): the tests start their own, on addresses they own, so the host gets none.
 TEST_SERVICES = etcd.service prometheus.service prometheus-node-exporter.service

@@ -34,6 +34,7 @@ class Etcd(http.server.BaseHTTPRequestHandler):
 
     answers: dict[str, Answer] = {}
     asked: list[str] = []
+    encodings: list[str] = []  # the Accept-Encoding of each request
     release: threading.Event
 
     protocol_version = "HTTP/1.1"
@@ -41,6 +42,7 @@ class Etcd(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         self.asked.append(self.path)
+        self.encodings.append(str(self.headers.get("Accept-Encoding")))
         answer = self.answers.get(self.path, FRIENDLY.get(self.path, (404, b"")))
         if callable(answer):
             answer(self)
@@ -63,7 +65,7 @@ class Etcd(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def etcd() -> Iterator[tuple[str, type[Etcd]]]:
-    handler = type("Handler", (Etcd,), {"answers": {}, "asked": [], "release": threading.Event()})
+    handler = type("Handler", (Etcd,), {"answers": {}, "asked": [], "encodings": [], "release": threading.Event()})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()

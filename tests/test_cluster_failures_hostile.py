@@ -281,6 +281,69 @@ def test_F4_a_small_gzip_answer_is_not_inflated_past_the_cap(etcd) -> None:
     assert len(bomb) < 200_000 and peak < 16 << 20, f"{len(bomb)} bytes sent, peak {peak >> 20} MiB"
 
 
+def _watch_in_thread(s: ClusterStore, timeout: float) -> tuple[threading.Event, list[str]]:
+    done, said = threading.Event(), []
+
+    def watch() -> None:
+        try:
+            s.watch_once(PREFIX + "/", timeout)
+        except ClusterUnavailable as e:
+            said.append(str(e))
+        finally:
+            done.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    return done, said
+
+
+def test_F6_an_error_answer_dripped_to_a_watch_with_a_login_ends_at_its_deadline(etcd, monkeypatch) -> None:
+    """With `[cluster] user`, a non-200 answer was searched for "invalid auth token" by reading
+    its whole body, before any cap or deadline: a 500 dripped a byte every 0.3 s held a
+    watch_once(timeout=0.5) for 8.7 s (hostile read of #23), and a huge one took its memory."""
+    monkeypatch.setattr(etcd_module, "ETCD_REQUEST_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(etcd_module, "read_password", lambda _path: "pw")
+    url, h = etcd
+    body = b'{"error": "' + b"x" * 200 + b'"}'
+
+    def drip(handler: Etcd) -> None:
+        handler.send_response_only(500)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.flush()
+        for i in range(len(body)):
+            if handler.release.wait(0.3):
+                return
+            handler.wfile.write(body[i:i + 1])
+            handler.wfile.flush()
+
+    h.answers["/v3/watch"] = drip
+    began = time.monotonic()
+    done, said = _watch_in_thread(store_at(url, user="gpusup", password_file="/nonexistent"), 0.5)
+    assert done.wait(10), "the watch still runs after 10 s"
+    assert time.monotonic() - began < 3.0, f"the watch took {time.monotonic() - began:.1f} s; {said}"
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "gzip, gzip", "deflate", "br"])
+def test_F6_a_compressed_watch_answer_is_refused_before_it_is_inflated(etcd, encoding: str) -> None:
+    """A watch's stream is read by etcd3gw whole per read: 300 kB of gzip on /v3/watch was a 300 MiB
+    peak, and a 590-byte "gzip, gzip" answer 261 MiB on urllib3 1.26. We ask for no compression
+    (etcd's gateway then sends none), and refuse a compressed answer before reading it."""
+    url, h = etcd
+    bomb = gzip.compress(b'{"result": {"created": true}}\n' + b" " * (300 << 20), compresslevel=9)
+    h.answers["/v3/watch"] = (200, None, {"Content-Type": "application/json", "Content-Encoding": encoding}, bomb)
+    tracemalloc.start()
+    try:
+        done, said = _watch_in_thread(store_at(url), 0.5)
+        assert done.wait(10)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, f"peak {peak >> 20} MiB"
+    assert said and said[0].endswith("its answer is compressed, though none was asked for"), said
+    assert "identity" in h.encodings[-1], h.encodings
+
+
 # F5. The neighbour's words as ours, and an answer called "cannot be reached".
 
 

@@ -51,6 +51,10 @@ class AnswerTooLarge(Exception):
     """An answer over ANSWER_MAX: not etcd's (cluster/failures.py)."""
 
 
+class AnswerEncoded(Exception):
+    """A compressed answer, though we ask for none: not etcd's (cluster/failures.py)."""
+
+
 class AnswerCutOff(Exception):
     """An answer that ended before its Content-Length: the connection went in mid-answer.
     urllib3 2 says so itself; Debian 12's urllib3 1.26 hands over the short body as if whole."""
@@ -93,9 +97,10 @@ def _session(base: str, tls: tuple[str | None, str | None, str | None], login: t
             with self._lock:
                 if self._token != stale:
                     return  # another thread renewed it meanwhile
-                r = _read_bounded(super().request("POST", base + "auth/authenticate", **self._tls(
+                r = _read_bounded(self._answer("POST", base + "auth/authenticate", **self._tls(
                     {"json": {"name": login[0], "password": login[1]}, "timeout": timeout,
-                     "allow_redirects": False, "stream": True})), time.monotonic() + 2 * timeout)
+                     "headers": {"Accept-Encoding": "identity"}, "allow_redirects": False, "stream": True})),
+                    time.monotonic() + 2 * timeout)
                 if r.status_code != 200:
                     raise PermissionError(f"etcd refused user {login[0]!r}: {_message(r)}")
                 token = r.json().get("token", "")
@@ -113,23 +118,46 @@ def _session(base: str, tls: tuple[str | None, str | None, str | None], login: t
             # a redirect would make root send our request (our token with it) wherever the
             # answerer points, loopback services included: etcd never redirects its gateway
             kwargs["allow_redirects"] = False
+            # etcd's gateway compresses nothing unless asked, and is not: an answer inflated
+            # from a few bytes is no longer possible, on any urllib3 (1.26 inflates a whole
+            # read at once, and a stacked "gzip, gzip" over and over)
+            kwargs["headers"] = {**dict(kwargs.get("headers") or {}), "Accept-Encoding": "identity"}
             if kwargs.get("stream"):
                 return self._send(method, url, kwargs)
             kwargs["stream"] = True  # read below, against a size cap and a deadline for the whole
             return _read_bounded(self._send(method, url, kwargs), time.monotonic() + 2 * timeout)
 
+        def _answer(self, method: Any, url: Any, **kwargs: Any) -> Any:
+            """One request, its answer refused before any of its body is read if it is
+            compressed or says it is larger than ANSWER_MAX (a watch's stream is read by
+            etcd3gw as it comes, whole per read: only this check stands before it)."""
+            r = super().request(method, url, **kwargs)
+            encoding = str(r.headers.get("Content-Encoding", "identity")).strip().lower()
+            promised = str(r.headers.get("Content-Length", "")).strip()
+            if encoding not in ("", "identity"):
+                r.close()
+                raise AnswerEncoded(f"Content-Encoding {encoding[:40]!r}")
+            if promised.isdigit() and int(promised) > ANSWER_MAX:
+                r.close()
+                raise AnswerTooLarge(f"over {ANSWER_MAX >> 20} MiB")
+            return r
+
         def _send(self, method: Any, url: Any, kwargs: dict[str, Any]) -> Any:
             if login is None:
-                return super().request(method, url, **kwargs)
+                return self._answer(method, url, **kwargs)
             if not self._token:
                 self.authenticate("")
             headers = dict(kwargs.pop("headers", None) or {})
             headers["Authorization"] = sent = self._token
-            r = super().request(method, url, headers=headers, **kwargs)
+            r = self._answer(method, url, headers=headers, **kwargs)
+            if r.status_code != 200 and r.status_code != 401:
+                # read within the cap and the deadline before looking into it (unbounded, an
+                # error answer dripped or huge held a watch for as long as its sender liked)
+                r = _read_bounded(r, time.monotonic() + 2 * timeout)
             if r.status_code == 401 or (r.status_code != 200 and b"invalid auth token" in r.content[:1000]):
                 self.authenticate(sent)
                 headers["Authorization"] = self._token
-                r = super().request(method, url, headers=headers, **kwargs)
+                r = self._answer(method, url, headers=headers, **kwargs)
             return r
 
     return EtcdSession()

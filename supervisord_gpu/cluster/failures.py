@@ -111,6 +111,8 @@ def classify(e: BaseException) -> tuple[str, str]:
         return UNREACHABLE, _connection(str(e))
     if name == "AnswerCutOff":  # cluster/etcd.py's length check
         return UNREACHABLE, "its answer was cut off"
+    if name == "AnswerEncoded":  # cluster/etcd.py: we ask for no compression
+        return NOT_ETCD, "its answer is compressed, though none was asked for"
     if name == "AnswerTooLarge":  # cluster/etcd.py's size cap
         return NOT_ETCD, f"its answer is {clean(e, 40)}"
     if isinstance(e, TimeoutError):
