@@ -1143,3 +1143,51 @@ def test_a_start_does_not_count_a_peer_ready_whose_daemon_went_after_it_was_seen
         gate.close()
     last = {k: v for k, v in reads[-1].items() if k.startswith("b/")}  # a's own (stopped) aside
     assert last == {"b/decode2": "ready"}, reads
+
+
+def test_a_start_waiting_for_another_transitions_lock_waits_from_its_own_read_of_the_lock(tmp_path):
+    """The wait for a held lock followed on from whatever its watching thread had read last
+    (acquire and the watch ran in two asyncio.to_thread calls; the revision is kept per
+    thread, and acquire's read of the lock kept none): an old one woke the watch at once, and
+    none made it miss a release between the two. Here this thread read long ago, another node
+    then took the lock: the wait follows on from acquire's own read, so it waits (no change
+    since), and a release right after that read wakes it at once."""
+    from supervisord_gpu.cluster.coordinator import _acquire
+
+    def _take_or_wait(store: ClusterStore, lease: int, me: dict[str, Any]) -> Any:
+        """As prepare_cluster_start waits: acquire in one worker thread, the watch in another."""
+        box: list[Any] = []
+        reader = threading.Thread(target=lambda: box.append(_acquire(store, lease, me)))
+        reader.start()
+        reader.join()
+        held, seen = box[0]
+        if held is not None:
+            store.watch_once(store.key("lock"), 1.0, seen)
+        return held
+
+    cfg = node_config(tmp_path, "a")
+    kv = MemoryKV()
+    store = memory_store(cfg, kv)
+    store.processes()  # this thread's last read: before the lock existed
+    other = memory_store(cfg, kv)
+    theirs = other.grant()
+    holder = {"to": "tp", "starting": ["tp"], "node": "b", "pid": 1, "tid": "tb0000000001"}
+    assert other.acquire(theirs, holder) is None
+    mine = store.grant()
+    me = {"to": "pd", "starting": ["pd"], "node": "a", "pid": 2, "tid": "ta0000000001"}
+    began = time.monotonic()
+    held = _take_or_wait(store, mine, me)
+    assert held is not None and held.node == "b"
+    assert time.monotonic() - began >= 0.9, "woken at once by a change older than its read of the lock"
+    # released between acquire's read and the watch: seen at once
+    real_acquire = store.acquire
+
+    def acquire_then_release(lease: int, who: dict[str, Any]) -> Any:
+        record = real_acquire(lease, who)
+        other.release(holder)
+        return record
+
+    store.acquire = acquire_then_release  # type: ignore[method-assign]
+    began = time.monotonic()
+    assert _take_or_wait(store, mine, me) is not None
+    assert time.monotonic() - began < 0.5, "a release just after the read was missed until the watch timed out"

@@ -40,6 +40,15 @@ VERIFY_SLACK_S = 30.0
 ROLLBACK_LOCK_TTL_S = 300
 
 
+def _acquire(store: ClusterStore, lease: int, me: dict[str, Any]) -> tuple[LockRecord | None, int]:
+    """Take the lock, or say who holds it, with the revision of acquire's own read of it: the
+    wait for its release follows on from that read. Without it the wait followed on from
+    whatever its (other) worker thread had read last: an old revision woke it at once, none
+    missed a release in between."""
+    held = store.acquire(lease, me)
+    return held, store.last_read()
+
+
 async def prepare_cluster_start(part: Profile, cfg: DaemonConfig, inventory: GpuInventory, gate: ClusterGate,
                                 say: Callable[[str, int], None], progress: Callable[[str], None],
                                 verify_locally: Callable[[], Any]) -> None:
@@ -53,9 +62,12 @@ async def prepare_cluster_start(part: Profile, cfg: DaemonConfig, inventory: Gpu
     whole = await asyncio.to_thread(load_profile, cfg, part.name, True)
     tid = "t" + uuid.uuid4().hex[:12]  # never a JSON number
     me = {"to": part.name, "starting": [part.name], "node": cfg.cluster.node, "pid": os.getpid(), "tid": tid}
-    while (held := await asyncio.to_thread(store.acquire, gate.lease, me)) is not None:
+    while True:
+        held, seen = await asyncio.to_thread(_acquire, store, gate.lease, me)
+        if held is None:
+            break
         progress(f"waiting for the cluster transition to {held.to} (coordinated by node {held.node})")
-        await asyncio.to_thread(store.watch_once, store.key("lock"), 1.0)
+        await asyncio.to_thread(store.watch_once, store.key("lock"), 1.0, seen)
     try:
         running = await asyncio.to_thread(running_profiles, store, cfg, part.name, say)
     except SupervisorError:

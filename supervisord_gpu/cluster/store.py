@@ -224,7 +224,10 @@ class ClusterStore:
         """The lock's key and, when it is genuine, its holder. A value without a lease (a lease
         ends with its holder; one without never would) or that is no holder's record is not
         a lock: named, and treated as free."""
-        entry = self._entry(self.key("lock"), "reading the transition lock")
+        with self._talking("reading the transition lock"):
+            revision, found = self.kv.range(self.key("lock"))
+        self._seen.revision = revision  # a wait for the lock's release follows on from this read
+        entry = found[0] if found else None
         if entry is None:
             return None, None
         try:
