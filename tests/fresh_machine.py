@@ -1,4 +1,5 @@
-"""A newcomer's first command on a fresh Debian 12, from /root: `sh make.sh rehearse`.
+"""A newcomer's first commands on a fresh Debian 12, from /root: `sh make.sh rehearse`, and
+with the argument `test`, `sh make.sh test` (the whole suite, its containers nested in this one).
 
 Boots a clean Debian 12 (the rig's debootstrapped tree: no make, no git, no python3-venv)
 with a real systemd, on the host's network (apt needs the mirror; the rehearsal's ports are
