@@ -344,6 +344,33 @@ def test_F6_a_compressed_watch_answer_is_refused_before_it_is_inflated(etcd, enc
     assert "identity" in h.encodings[-1], h.encodings
 
 
+def test_F6_one_login_serves_the_requests_and_every_threads_watches(etcd, monkeypatch) -> None:
+    """Each thread watches on a session of its own (etcd3gw's watch closes its session's pools);
+    they share one token: a login per thread would be one more bcrypt on etcd per thread, and
+    a login during etcd's shutdown (three-host test) read as a refusal."""
+    monkeypatch.setattr(etcd_module, "read_password", lambda _path: "pw")
+    url, h = etcd
+    s = store_at(url, user="gpusup", password_file="/nonexistent")
+    s.holder()
+    for _ in range(3):
+        done, said = _watch_in_thread(s, 0.2)
+        assert done.wait(10) and said == [], said
+    assert h.asked.count("/v3/auth/authenticate") == 1, h.asked
+
+
+@pytest.mark.parametrize("status", [500, 503])
+def test_F6_a_login_etcd_cannot_serve_is_etcd_away_not_a_refusal(etcd, monkeypatch, status: int) -> None:
+    """etcd going down answers a login 503 ("transport: missing content-type field"): that is
+    etcd out of reach (exit 4, retried), not "etcd refused user" (a wrong password)."""
+    monkeypatch.setattr(etcd_module, "read_password", lambda _path: "pw")
+    url, h = etcd
+    h.answers["/v3/auth/authenticate"] = (status, b'{"error": "OK: HTTP status code 200; transport: missing content-type field", "code": 14}')
+    with pytest.raises(ClusterUnavailable) as e:
+        store_at(url, user="gpusup", password_file="/nonexistent").holder()
+    text = one_line(e.value, url)
+    assert f"cannot be reached (reading the transition lock): its login answered http {status}" in text, text
+
+
 # F5. The neighbour's words as ours, and an answer called "cannot be reached".
 
 

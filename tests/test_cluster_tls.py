@@ -119,8 +119,8 @@ def test_an_expired_token_is_renewed_once_and_the_request_repeated(etcd, pki):
     store = ClusterStore(config(etcd, pki))
     assert store.holder() is None
     session = store.kv.client.session  # type: ignore[attr-defined]
-    session._token = "not-a-token-etcd-knows"
-    assert store.holder() is None and session._token != "not-a-token-etcd-knows"
+    session._shared.value = "not-a-token-etcd-knows"
+    assert store.holder() is None and session._shared.value != "not-a-token-etcd-knows"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="file ownership checks apply to the root daemon")

@@ -70,8 +70,17 @@ def _unb64(text: Any) -> bytes:
     return base64.b64decode(text) if isinstance(text, str) else b""
 
 
+class _Token:
+    """etcd's token, shared by every session of one client (the requests' and each thread's
+    watches): one login, not one per thread, and one renewal when etcd drops it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.value = ""
+
+
 def _session(base: str, tls: tuple[str | None, str | None, str | None], login: tuple[str, str] | None,
-             timeout: float) -> Any:
+             timeout: float, token: _Token | None = None) -> Any:
     """A requests session for etcd: our CA and client certificate on every request (passed per
     request: requests lets REQUESTS_CA_BUNDLE in the environment override a session's own CA),
     and, with a `login` (user, password), etcd's token in the Authorization header."""
@@ -82,8 +91,7 @@ def _session(base: str, tls: tuple[str | None, str | None, str | None], login: t
     class EtcdSession(requests.Session):
         def __init__(self) -> None:
             super().__init__()
-            self._lock = threading.Lock()
-            self._token = ""
+            self._shared = token or _Token()
 
         def _tls(self, kwargs: dict[str, Any]) -> dict[str, Any]:
             if ca:
@@ -94,19 +102,21 @@ def _session(base: str, tls: tuple[str | None, str | None, str | None], login: t
 
         def authenticate(self, stale: str) -> None:
             assert login is not None
-            with self._lock:
-                if self._token != stale:
+            with self._shared.lock:
+                if self._shared.value != stale:
                     return  # another thread renewed it meanwhile
                 r = _read_bounded(self._answer("POST", base + "auth/authenticate", **self._tls(
                     {"json": {"name": login[0], "password": login[1]}, "timeout": timeout,
                      "headers": {"Accept-Encoding": "identity"}, "allow_redirects": False, "stream": True})),
                     time.monotonic() + 2 * timeout)
+                if r.status_code >= 500:  # etcd going down or not up: away, not a refusal
+                    raise ConnectionError(f"its login answered HTTP {r.status_code}")
                 if r.status_code != 200:
                     raise PermissionError(f"etcd refused user {login[0]!r}: {_message(r)}")
                 token = r.json().get("token", "")
                 if not (isinstance(token, str) and 0 < len(token) <= _TOKEN_MAX and token.isascii() and token.isprintable()):
                     raise PermissionError(f"etcd's answer to the login of user {login[0]!r} holds no token")
-                self._token = token
+                self._shared.value = token
 
         def request(self, method: Any, url: Any, **kwargs: Any) -> Any:  # type: ignore[override]
             kwargs = self._tls(kwargs)
@@ -145,10 +155,10 @@ def _session(base: str, tls: tuple[str | None, str | None, str | None], login: t
         def _send(self, method: Any, url: Any, kwargs: dict[str, Any]) -> Any:
             if login is None:
                 return self._answer(method, url, **kwargs)
-            if not self._token:
+            if not self._shared.value:
                 self.authenticate("")
             headers = dict(kwargs.pop("headers", None) or {})
-            headers["Authorization"] = sent = self._token
+            headers["Authorization"] = sent = self._shared.value
             r = self._answer(method, url, headers=headers, **kwargs)
             if r.status_code != 200 and r.status_code != 401:
                 # read within the cap and the deadline before looking into it (unbounded, an
@@ -156,7 +166,7 @@ def _session(base: str, tls: tuple[str | None, str | None, str | None], login: t
                 r = _read_bounded(r, time.monotonic() + 2 * timeout)
             if r.status_code == 401 or (r.status_code != 200 and b"invalid auth token" in r.content[:1000]):
                 self.authenticate(sent)
-                headers["Authorization"] = self._token
+                headers["Authorization"] = self._shared.value
                 r = self._answer(method, url, headers=headers, **kwargs)
             return r
 
@@ -233,13 +243,14 @@ class EtcdKV:
         host = url.hostname or "127.0.0.1"
         base = f"{url.scheme}://{'[' + host + ']' if ':' in host else host}:{url.port or 2379}/v3/"
         login = (cfg.user, read_password(cfg.password_file or "")) if cfg.user else None
+        token = _Token()
 
         def client() -> Any:
             made = Etcd3Client(host=host, port=url.port or 2379, protocol=url.scheme, timeout=ETCD_REQUEST_TIMEOUT_S,
                                api_path="/v3/")
             # every request and watch goes through client.session: set after construction, since
             # Debian 12's python3-etcd3gw (2.0.0) takes no session argument (2.7.0 does)
-            made.session = _session(base, (ca, cert, key), login, ETCD_REQUEST_TIMEOUT_S)
+            made.session = _session(base, (ca, cert, key), login, ETCD_REQUEST_TIMEOUT_S, token)
             return made
 
         self._new_client = client
