@@ -60,6 +60,17 @@ def test_an_unprivileged_user_can_read_status_but_not_stop(three):
     assert three.is_active("dsv4@alpha") == "active"
 
 
+def test_start_on_a_machine_without_our_unit_is_one_line_exit_3(box):
+    """A checkout's gpusupctl on a machine whose systemd has no dsv4@.service (the package not
+    installed; seen on a fresh Debian 12 booted with systemd): systemd answers NoSuchUnit, which
+    was "internal error: LookupError: GDBus.Error:...". Now one line naming the unit file."""
+    for verb in ("start", "restart"):
+        r = box.run([CTL, verb, "alpha"], check=False)
+        assert r.returncode == 3, r.stdout + r.stderr
+        assert r.stderr.strip() == ("gpusupctl: systemd has no unit dsv4@alpha.service: the unit file dsv4@.service "
+                                    "is not installed (it comes with the supervisord-gpu package)"), r.stderr
+
+
 def test_logs_shows_one_process(three):
     out = three.run([CTL, "logs", "alpha", "server", "--lines", "200"]).stdout
     assert "Load weight begin" in out

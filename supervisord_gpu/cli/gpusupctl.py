@@ -377,7 +377,14 @@ def cmd_unit(args: argparse.Namespace) -> int:
 
     if not INSTANCE_NAME_RE.match(args.name):
         raise UsageError(f"{args.name!r} is not a valid instance name")
-    return _run_unit_job(args.command, args.name, args.wait, args.timeout)
+    try:
+        return _run_unit_job(args.command, args.name, args.wait, args.timeout)
+    except LookupError:  # systemd's NoSuchUnit: no dsv4@.service on this machine (seen on a fresh one)
+        from ..errors import PreconditionError
+        from ..names import service_name
+
+        raise PreconditionError(f"systemd has no unit {service_name(args.name)}: the unit file dsv4@.service is not "
+                                "installed (it comes with the supervisord-gpu package)") from None
 
 
 def _run_unit_job(verb: str, name: str, wait: bool, timeout: float) -> int:
