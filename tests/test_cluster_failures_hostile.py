@@ -236,25 +236,30 @@ def test_F4_a_watch_whose_answer_never_starts_ends_within_the_request_timeout(et
     assert done.wait(5.0), "watch_once(timeout=0.3) still running after 5 s"
 
 
-def test_F4_an_answer_dripped_byte_by_byte_ends_at_its_deadline(etcd, monkeypatch) -> None:
-    """requests' timeout is per socket read: one byte every 0.15 s against a 0.3 s timeout goes on."""
-    monkeypatch.setattr(etcd_module, "ETCD_REQUEST_TIMEOUT_S", 0.3)
-    url, h = etcd
-    body = b'{"header": {"revision": "2"}}' + b" " * 11  # 40 bytes: 6 s at 0.15 s each
+def _dripped(status: int, body: bytes, every: float) -> Callable[[Etcd], None]:
+    """An answer whose headers come at once and whose body comes a byte every `every` seconds."""
 
     def drip(handler: Etcd) -> None:
-        handler.send_response_only(200)
+        handler.send_response_only(status)
         handler.send_header("Content-Type", "application/json")
         handler.send_header("Content-Length", str(len(body)))
         handler.end_headers()
         handler.wfile.flush()
         for i in range(len(body)):
-            if handler.release.wait(0.15):
+            if handler.release.wait(every):
                 return
             handler.wfile.write(body[i:i + 1])
             handler.wfile.flush()
 
-    h.answers["/v3/kv/range"] = drip
+    return drip
+
+
+def test_F4_an_answer_dripped_byte_by_byte_ends_at_its_deadline(etcd, monkeypatch) -> None:
+    """requests' timeout is per socket read: one byte every 0.15 s against a 0.3 s timeout goes on."""
+    monkeypatch.setattr(etcd_module, "ETCD_REQUEST_TIMEOUT_S", 0.3)
+    url, h = etcd
+    body = b'{"header": {"revision": "2"}}' + b" " * 11  # 40 bytes: 6 s at 0.15 s each
+    h.answers["/v3/kv/range"] = _dripped(200, body, 0.15)
     began = time.monotonic()
     try:
         store_at(url).holder()
@@ -303,21 +308,7 @@ def test_F6_an_error_answer_dripped_to_a_watch_with_a_login_ends_at_its_deadline
     monkeypatch.setattr(etcd_module, "ETCD_REQUEST_TIMEOUT_S", 0.5)
     monkeypatch.setattr(etcd_module, "read_password", lambda _path: "pw")
     url, h = etcd
-    body = b'{"error": "' + b"x" * 200 + b'"}'
-
-    def drip(handler: Etcd) -> None:
-        handler.send_response_only(500)
-        handler.send_header("Content-Type", "application/json")
-        handler.send_header("Content-Length", str(len(body)))
-        handler.end_headers()
-        handler.wfile.flush()
-        for i in range(len(body)):
-            if handler.release.wait(0.3):
-                return
-            handler.wfile.write(body[i:i + 1])
-            handler.wfile.flush()
-
-    h.answers["/v3/watch"] = drip
+    h.answers["/v3/watch"] = _dripped(500, b'{"error": "' + b"x" * 200 + b'"}', 0.3)
     began = time.monotonic()
     done, said = _watch_in_thread(store_at(url, user="gpusup", password_file="/nonexistent"), 0.5)
     assert done.wait(10), "the watch still runs after 10 s"
