@@ -107,8 +107,7 @@ def _session(base: str, tls: tuple[str | None, str | None, str | None], login: t
                     return  # another thread renewed it meanwhile
                 r = _read_bounded(self._answer("POST", base + "auth/authenticate", **self._tls(
                     {"json": {"name": login[0], "password": login[1]}, "timeout": timeout,
-                     "headers": {"Accept-Encoding": "identity"}, "allow_redirects": False, "stream": True})),
-                    time.monotonic() + 2 * timeout)
+                     "allow_redirects": False, "stream": True})), time.monotonic() + 2 * timeout)
                 if r.status_code >= 500:  # etcd going down or not up: away, not a refusal
                     raise ConnectionError(f"its login answered HTTP {r.status_code}")
                 if r.status_code != 200:
@@ -128,10 +127,6 @@ def _session(base: str, tls: tuple[str | None, str | None, str | None], login: t
             # a redirect would make root send our request (our token with it) wherever the
             # answerer points, loopback services included: etcd never redirects its gateway
             kwargs["allow_redirects"] = False
-            # etcd's gateway compresses nothing unless asked, and is not: an answer inflated
-            # from a few bytes is no longer possible, on any urllib3 (1.26 inflates a whole
-            # read at once, and a stacked "gzip, gzip" over and over)
-            kwargs["headers"] = {**dict(kwargs.get("headers") or {}), "Accept-Encoding": "identity"}
             if kwargs.get("stream"):
                 return self._send(method, url, kwargs)
             kwargs["stream"] = True  # read below, against a size cap and a deadline for the whole
@@ -140,7 +135,11 @@ def _session(base: str, tls: tuple[str | None, str | None, str | None], login: t
         def _answer(self, method: Any, url: Any, **kwargs: Any) -> Any:
             """One request, its answer refused before any of its body is read if it is
             compressed or says it is larger than ANSWER_MAX (a watch's stream is read by
-            etcd3gw as it comes, whole per read: only this check stands before it)."""
+            etcd3gw as it comes, whole per read: only this check stands before it). No
+            compression is asked for, and etcd's gateway then sends none: an answer inflated
+            from a few bytes is impossible on any urllib3 (1.26 inflates a whole read at once,
+            and a stacked "gzip, gzip" over and over)."""
+            kwargs["headers"] = {**dict(kwargs.get("headers") or {}), "Accept-Encoding": "identity"}
             r = super().request(method, url, **kwargs)
             encoding = str(r.headers.get("Content-Encoding", "identity")).strip().lower()
             promised = str(r.headers.get("Content-Length", "")).strip()
@@ -281,14 +280,15 @@ class EtcdKV:
         body = {"key": _b64(key)}
         if prefix:
             body["range_end"] = _b64(key[:-1] + chr(ord(key[-1]) + 1))
+        url = self.client.get_url("/kv/range")
         try:
-            reply = self.client.post(self.client.get_url("/kv/range"), json=body)
+            reply = self.client.post(url, json=body)
         except Exception as e:
             if not _broke_off(e):
                 raise
             # a read may be repeated: one answer cut off in transit (seen under load over TLS)
             # must not fail a start that waits on its peers; a second failure is the answer
-            reply = self.client.post(self.client.get_url("/kv/range"), json=body)
+            reply = self.client.post(url, json=body)
         out = [Entry(_unb64(kv.get("key")).decode(errors="replace"), _unb64(kv.get("value", "")),
                      int(kv.get("lease", 0) or 0), int(kv.get("mod_revision", 0) or 0))
                for kv in reply.get("kvs", []) if isinstance(kv, dict)]
@@ -315,7 +315,6 @@ class EtcdKV:
                 watcher.watch_prefix_once(prefix, timeout=timeout)
         except WatchTimedOut:
             pass
-
 
     def _watch_client(self) -> Any:
         """This thread's own client for watches. etcd3gw ends a watch by closing the connection
