@@ -57,7 +57,7 @@ TEST_WORKERS ?= 4
 REACH = $(VENV)/bin/python -m supervisord_gpu.rehearsal.reach nobody,$(SERVER_USER) $(CURDIR) --
 
 test: test-setup check
-	$(REACH) $(VENV)/bin/python -m pytest -q -rs -m "not fast" -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	$(REACH) $(VENV)/bin/python -m pytest -q -rfEs -m "not fast" -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 check: lint
 	$(REACH) $(VENV)/bin/python -m pytest -q -rs -m fast --durations=5

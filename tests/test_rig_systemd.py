@@ -107,6 +107,19 @@ def test_missing_tools_skip_locally_fail_in_ci(monkeypatch: pytest.MonkeyPatch) 
         rig.require_rig()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops a capability from root's set")
+def test_a_root_without_net_admin_is_told_why(tmp_path: Path) -> None:
+    """Inside a container on the host's network (nspawn's default set), root has no CAP_NET_ADMIN
+    and a container booted there has its loopback down: every start then hung waiting for a
+    server that could not reach itself. The rig names the cause instead."""
+    probe = "import sys; sys.path.insert(0, 'tests'); from rig.systemd_container import missing_tools; print(missing_tools())"
+    full = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert "CAP_NET_ADMIN" not in full.stdout, full.stdout
+    dropped = subprocess.run(["setpriv", "--bounding-set=-net_admin", "--inh-caps=-net_admin", "--",
+                              sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert "lacks CAP_NET_ADMIN (a container's own loopback would stay down" in dropped.stdout, dropped.stdout
+
+
 # --------------------------------------------------------------------------- in the container
 
 systemd = pytest.mark.systemd

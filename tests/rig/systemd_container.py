@@ -175,6 +175,17 @@ class ContainerProcess:
 # --------------------------------------------------------------------------- host checks
 
 
+CAP_NET_ADMIN = 12
+
+
+def _has_capability(cap: int) -> bool:
+    """Whether this process has `cap` in its effective set (/proc/self/status, CapEff)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> cap & 1)
+    return False
+
+
 def missing_tools() -> list[str]:
     """What the host lacks for the rig; empty when all is there."""
     problems = []
@@ -187,6 +198,9 @@ def missing_tools() -> list[str]:
         )
     if os.geteuid() == 0 and cgroup2_mount() is None:
         problems.append("no writable cgroup2 mount (the container's systemd needs one)")
+    if os.geteuid() == 0 and not _has_capability(CAP_NET_ADMIN):
+        problems.append("root here lacks CAP_NET_ADMIN (a container's own loopback would stay down, and "
+                        "nothing in it could reach 127.0.0.1); run where root has every capability")
     return problems
 
 
@@ -603,6 +617,7 @@ class SystemdContainer:
         boot_timeout: float = 60.0,
         network_namespace: str | None = None,
         host_network: bool = False,
+        capabilities: Sequence[str] = (),
     ) -> None:
         self.binds = [b if isinstance(b, Bind) else Bind(*b) for b in binds]
         #: an `ip netns` name: the container gets that network namespace (tests/rig/network.py)
@@ -613,6 +628,10 @@ class SystemdContainer:
         #: containers share the host's ports (30001 of the shipped profiles), so their tests
         #: run one at a time (conftest.py: the xdist group "host-network").
         self.host_network = host_network
+        #: capabilities kept beyond nspawn's default set ("all": root's whole set, as on a real
+        #: machine; nspawn keeps CAP_NET_ADMIN only with a private network, and without it a
+        #: container booted inside this one cannot bring its own loopback up)
+        self.capabilities = list(capabilities)
         self.extra_packages = list(extra_packages)
         self.rootfs = Path(rootfs) if rootfs is not None else None
         self.name = name or f"sgt-{uuid.uuid4().hex[:10]}"
@@ -655,6 +674,7 @@ class SystemdContainer:
             "--register=no", "--keep-unit", "--console=pipe", "--volatile=overlay",
             *(b.nspawn_arg() for b in self.binds),
             *self._network_args(),
+            *([f"--capability={','.join(self.capabilities)}"] if self.capabilities else []),
         ]  # fmt: skip
         t0 = time.monotonic()
         with open(self.console_log_path, "wb") as log:
