@@ -156,7 +156,7 @@ def main() -> int:
                 "verified after stop" in r.stdout if command == "rehearse" else
                 [line for line in r.stdout.splitlines() if " passed" in line or " failed" in line][-3:]),
             **({"not_passed": re.findall(r"^(?:FAILED|ERROR) (\S+)", r.stdout, re.M)} if command == "test" else {}),
-            "passed_through": re.search(r"passed through (?:for .* )?in a mount namespace", r.stdout) is not None,
+            "passed_through": re.search(r"passed through (?:for .* )?in a mount namespace", r.stdout + r.stderr) is not None,
             **({"left_on_the_machine": left} if left is not None else {}),
         }
         out = REPO / "bench" / "results" / ("fresh-debian-root.json" if command == "rehearse" else "fresh-debian-root-test.json")

@@ -23,14 +23,24 @@ import pytest
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 SYSTEM_PYTHON = "/usr/bin/python3"
-#: etcd3gw and what it imports (futurist, pbr), requests and its own dependencies
-DEBS = ("python3-etcd3gw", "python3-futurist", "python3-pbr", "python3-requests", "python3-urllib3",
-        "python3-certifi", "python3-idna", "python3-chardet", "python3-charset-normalizer")
+#: the client's libraries as the .deb gets them; what they need comes along (debian_packages)
+ROOTS = ("python3-etcd3gw", "python3-requests", "python3-urllib3")
+
+
+def debian_packages() -> list[str]:
+    """ROOTS and every python3-* package they depend on, as apt resolves it (urllib3 1.26 needs
+    six, pbr needs pkg-resources: a fresh machine has neither, while this host's own Python
+    happened to have six, and a hand-kept list passed here and failed there)."""
+    listed = subprocess.run(["apt-cache", "depends", "--recurse", "--no-recommends", "--no-suggests", "--no-conflicts",
+                             "--no-breaks", "--no-replaces", "--no-enhances", "--no-pre-depends", *ROOTS],
+                            capture_output=True, text=True, timeout=60, check=True).stdout
+    return sorted({line for line in listed.splitlines() if line.startswith("python3-")})
 
 
 def debian_libraries(into: Path) -> Path:
     """Debian's own packages unpacked under `into`; their dist-packages directory."""
-    got = subprocess.run(["apt-get", "download", *DEBS], cwd=into, capture_output=True, text=True, timeout=300, check=False)
+    got = subprocess.run(["apt-get", "download", *debian_packages()], cwd=into, capture_output=True, text=True,
+                         timeout=300, check=False)
     assert got.returncode == 0, f"apt-get download failed (run `apt-get update`?): {got.stderr[-1500:]}"
     for deb in sorted(into.glob("*.deb")):
         subprocess.run(["dpkg-deb", "-x", str(deb), str(into / "root")], check=True, timeout=60)
@@ -44,9 +54,11 @@ def test_the_etcd_client_tests_pass_on_debians_own_libraries(tmp_path: Path) -> 
     venv = sysconfig.get_paths()["purelib"]  # pytest, psutil: behind Debian's libraries on the path
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "HOME": str(tmp_path),
            "PYTHONPATH": ":".join((str(debian), str(REPO), venv))}
-    versions = subprocess.run([SYSTEM_PYTHON, "-c", "import urllib3, requests, etcd3gw, os; "
-                               "print(urllib3.__version__, requests.__version__, os.path.dirname(etcd3gw.__file__))"],
-                              env=env, capture_output=True, text=True, check=True).stdout.split()
+    probe = subprocess.run([SYSTEM_PYTHON, "-c", "import urllib3, requests, etcd3gw, os; "
+                            "print(urllib3.__version__, requests.__version__, os.path.dirname(etcd3gw.__file__))"],
+                           env=env, capture_output=True, text=True, check=False)
+    assert probe.returncode == 0, f"Debian's libraries do not import: {probe.stderr[-1500:]}"
+    versions = probe.stdout.split()
     assert versions[0].startswith("1.26.") and versions[2].startswith(str(debian)), versions  # Debian's, not the venv's
     done = subprocess.run([SYSTEM_PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "tests/test_cluster_failures.py", "tests/test_cluster_failures_hostile.py"],
