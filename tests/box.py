@@ -7,6 +7,7 @@ simulated GPUs shared by every instance in the container, and the router the rea
 
 from __future__ import annotations
 
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,18 @@ def install(ctr, startup: float = 1.0, stall: float = 120.0, unit_extra: str = "
                  "--shell", "/usr/sbin/nologin", "sglang"])
     ctr.systemctl("reload", "dbus")
     ctr.daemon_reload()
+
+
+def install_package(ctr, deb: Path) -> None:  # type: ignore[no-untyped-def]
+    """The built .deb, as an operator installs it (its dependencies are in the host's Debian)."""
+    r = ctr.run(["dpkg", "-i", f"/debs/{deb.name}"], check=False, timeout=180)
+    assert r.returncode == 0, f"dpkg -i {deb.name} failed:\n{r.stdout}\n{r.stderr}"
+    # The real sglang-router for the rehearsal's router, from the project's virtual environment:
+    # a .pth in Debian's own dist-packages is read last, so every Debian package (ours,
+    # python3-etcd3gw, psutil, pydbus) still wins and only what Debian lacks comes from there.
+    ctr.write_file("/usr/lib/python3/dist-packages/zz-tests-sglang-router.pth", sysconfig.get_paths()["purelib"] + "\n")
+    # the checkout holding that environment, visible under the unit's PrivateTmp (CI clones into /tmp)
+    ctr.write_file("/etc/systemd/system/dsv4@.service.d/tests-checkout.conf", f"[Service]\n{checkout_settings()}")
 
 
 @pytest.fixture

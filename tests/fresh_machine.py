@@ -87,7 +87,7 @@ def give_network_trust(ctr: SystemdContainer) -> Path:
     return bundle
 
 
-def test_services() -> list[str]:
+def services_of_the_test_setup() -> list[str]:
     """The services the test set-up's packages bring (the Makefile's TEST_SERVICES, read, not copied)."""
     for line in (REPO / "Makefile").read_text().splitlines():
         if line.startswith("TEST_SERVICES"):
@@ -101,7 +101,7 @@ SERVICE_PORTS = (2379, 2380, 9090, 9100)  # etcd's client and peer ports, promet
 def services_left(ctr: SystemdContainer) -> dict[str, object]:
     """What the test set-up left on the machine: each service's state, and listeners on their ports."""
     states = {}
-    for unit in test_services():
+    for unit in services_of_the_test_setup():
         active = ctr.run(["systemctl", "is-active", unit], check=False).stdout.strip()
         enabled = ctr.run(["systemctl", "is-enabled", unit], check=False).stdout.strip()
         states[unit] = {"active": active, "enabled": enabled}

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import sysconfig
 import tempfile
 import textwrap
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from box import CONFIG, REPO, checkout_settings, install
+from box import CONFIG, REPO, checkout_settings, install, install_package
 from etcd_pki import PASSWORD, make_pki
 from support import wait_for
 
@@ -225,18 +224,6 @@ class Cluster:
 
     def decoys_alive(self) -> bool:
         return all(ctr.is_active("decoy") == "active" for ctr in self.nodes.values())
-
-
-def install_package(ctr, deb: Path) -> None:  # type: ignore[no-untyped-def]
-    """The built .deb, as an operator installs it (its dependencies are in the host's Debian)."""
-    r = ctr.run(["dpkg", "-i", f"/debs/{deb.name}"], check=False, timeout=180)
-    assert r.returncode == 0, f"dpkg -i {deb.name} failed:\n{r.stdout}\n{r.stderr}"
-    # The real sglang-router for the rehearsal's router, from the project's virtual environment:
-    # a .pth in Debian's own dist-packages is read last, so every Debian package (ours,
-    # python3-etcd3gw, psutil, pydbus) still wins and only what Debian lacks comes from there.
-    ctr.write_file("/usr/lib/python3/dist-packages/zz-tests-sglang-router.pth", sysconfig.get_paths()["purelib"] + "\n")
-    # the checkout holding that environment, visible under the unit's PrivateTmp (CI clones into /tmp)
-    ctr.write_file("/etc/systemd/system/dsv4@.service.d/tests-checkout.conf", f"[Service]\n{checkout_settings()}")
 
 
 def install_checkout(ctr) -> None:  # type: ignore[no-untyped-def]

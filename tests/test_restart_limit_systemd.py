@@ -1,4 +1,6 @@
-"""The crash-loop limit under the real systemd 252, with the shipped unit and polkit rule.
+"""The crash-loop limit under the real systemd 252, with the built .deb installed as an operator
+installs it (`dpkg -i`: its unit, polkit rule, D-Bus policy, group, the `sglang` user and
+`/usr/bin/gpusupctl`), Debian's polkitd, and rehearsal switched on in the package's config.
 
 Restarts by hand never count (five `gpusupctl restart --wait` in a row by a gpusup member all
 end active: systemd's StartLimitBurst=3 used to fail the third); only systemd's automatic
@@ -6,8 +8,10 @@ restarts do (NRestarts): a server that crashes at every start ends, at the third
 restart, with the daemon refusing (exit 6, not retried, the whole reason in `gpusupctl
 status`), and a gpusup member brings it back with `gpusupctl start --wait` (reset-failed
 allowed by polkit). Ready for StartLimitIntervalSec without a break, the daemon forgets earlier
-automatic restarts. One boot; RestartSec=1 in a drop-in for speed, and StartLimitIntervalSec=4
-once the restarts by hand are done (under a 4 s interval systemd's old limit would not bite).
+automatic restarts. A stranger on [::]:30001 (the IPv6 wildcard) makes the shipped tp4-512k
+refuse with exit 3 before any server loads, and systemd does not retry it. One boot; RestartSec=1
+in a drop-in for speed, and StartLimitIntervalSec=4 once the restarts by hand are done (under a
+4 s interval systemd's old limit would not bite).
 """
 
 from __future__ import annotations
@@ -17,32 +21,42 @@ import time
 
 import pytest
 
-from box import REPO, install, server_profile
+from box import install_package
+from box import server_profile as checkout_profile
 from support import free_ports, wait_for
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 
-CTL = f"{REPO}/.venv/bin/gpusupctl"
+CTL = "/usr/bin/gpusupctl"  # the package's
+CONFIG = "/etc/supervisord-gpu/supervisord-gpu.toml"
 PROFILES = "/etc/supervisord-gpu/profiles"
 WINDOW_S = 4  # the drop-in's StartLimitIntervalSec: the daemon's forgiveness window
 
 
 @pytest.fixture(scope="module")
-def ctr():  # type: ignore[no-untyped-def]
-    """One container for the module: Debian's polkitd, our unit (RestartSec=1, a 4 s window),
-    the package's rule, alice in gpusup, bob in nothing."""
-    from rig.systemd_container import SystemdContainer, repo_binds, require_rig
+def ctr(deb):  # type: ignore[no-untyped-def]
+    """One container for the module: the .deb and Debian's polkitd, rehearsal on in the package's
+    config, RestartSec=1 in a drop-in, alice in gpusup, bob in nothing."""
+    from rig.systemd_container import Bind, SystemdContainer, repo_binds, require_rig
 
     require_rig()
-    with SystemdContainer(binds=repo_binds(), extra_packages=("polkitd",)) as c:
-        install(c, startup=0.5, unit_extra="RestartSec=1\n")
-        c.write_file("/usr/share/polkit-1/rules.d/50-supervisord-gpu.rules",
-                     (REPO / "etc" / "polkit-1" / "rules.d" / "50-supervisord-gpu.rules").read_text())
+    with SystemdContainer(binds=[*repo_binds(), Bind(str(deb.parent), "/debs", True)], extra_packages=("polkitd",)) as c:
+        install_package(c, deb)
+        head, _, tail = c.read_file(CONFIG).partition("[rehearsal]\n")
+        rehearsal = tail.replace("enabled = false", "enabled = true", 1).replace("server_startup = 3.0", "server_startup = 0.5", 1)
+        assert "enabled = true" in rehearsal and "server_startup = 0.5" in rehearsal, tail
+        c.write_file(CONFIG, head + "[rehearsal]\n" + rehearsal)
+        c.write_file("/etc/systemd/system/dsv4@.service.d/test.conf", "[Service]\nRestartSec=1\n")
         c.run(["usermod", "-aG", "gpusup", "alice"])
         c.run(["useradd", "--create-home", "bob"])
         c.systemctl("restart", "polkit")
         c.daemon_reload()
         yield c
+
+
+def profile(*args, **kw) -> str:  # type: ignore[no-untyped-def]
+    """box's one-server profile, run as the package's `sglang` (the .deb's config names no default user)."""
+    return '[defaults]\nuser = "sglang"\n' + checkout_profile(*args, **kw)
 
 
 def show(c, name: str, prop: str) -> str:  # type: ignore[no-untyped-def]
@@ -55,7 +69,7 @@ def restarts_scheduled(c, name: str) -> list[int]:  # type: ignore[no-untyped-de
 
 def test_restarts_by_hand_never_count(ctr):  # type: ignore[no-untyped-def]
     (port,) = free_ports(1)
-    ctr.write_file(f"{PROFILES}/alpha.toml", server_profile(0, port, start_timeout=10))
+    ctr.write_file(f"{PROFILES}/alpha.toml", profile(0, port, start_timeout=10))
     r = ctr.run([CTL, "start", "alpha", "--wait"], user="alice", timeout=60, check=False)
     assert r.stdout.strip().endswith("dsv4@alpha.service: active"), r.stdout + r.stderr + ctr.run(
         ["journalctl", "-b", "--no-pager", "-n", "80"]).stdout
@@ -87,7 +101,7 @@ def test_ready_for_the_window_forgets_earlier_crashes(ctr):  # type: ignore[no-u
 
 def test_a_crash_loop_stops_at_the_limit_and_a_member_recovers_it(ctr):  # type: ignore[no-untyped-def]
     (port,) = free_ports(1)
-    ctr.write_file(f"{PROFILES}/crashy.toml", server_profile(1, port, start_timeout=10, fault="crash-on-start"))
+    ctr.write_file(f"{PROFILES}/crashy.toml", profile(1, port, start_timeout=10, fault="crash-on-start"))
     t0 = time.monotonic()
     ctr.run([CTL, "start", "crashy"], user="alice")  # queued: it fails, and systemd retries it
     wait_for(lambda: show(ctr, "crashy", "ExecMainStatus") == "6" and ctr.is_active("dsv4@crashy") == "failed", 60,
@@ -104,7 +118,7 @@ def test_a_crash_loop_stops_at_the_limit_and_a_member_recovers_it(ctr):  # type:
     assert whole in " ".join(out.split()), out  # wrapped to 80 columns, but all of it
     assert whole in ctr.journal("dsv4@crashy.service")
     # the operator fixes the cause; a gpusup member starts it again (reset-failed first, by polkit)
-    ctr.write_file(f"{PROFILES}/crashy.toml", server_profile(1, port, start_timeout=10))
+    ctr.write_file(f"{PROFILES}/crashy.toml", profile(1, port, start_timeout=10))
     r = ctr.run([CTL, "start", "crashy", "--wait"], user="alice", timeout=60, check=False)
     assert r.returncode == 0 and r.stdout.strip().endswith("dsv4@crashy.service: active"), r.stdout + r.stderr
     assert "stays failed" not in r.stderr, r.stderr  # the reset-failed went through
@@ -119,10 +133,42 @@ def test_reset_failed_is_for_members_and_dsv4_units_only(ctr):  # type: ignore[n
     r = ctr.run(["systemctl", "reset-failed", "other.service"], user="alice", check=False)
     assert r.returncode != 0 and ctr.is_active("other.service") == "failed", r.stderr
     (port,) = free_ports(1)
-    ctr.write_file(f"{PROFILES}/broken.toml", server_profile(2, port, start_timeout=10, fault="crash-on-start"))
+    ctr.write_file(f"{PROFILES}/broken.toml", profile(2, port, start_timeout=10, fault="crash-on-start"))
     ctr.systemctl("start", "dsv4@broken", check=False, timeout=60)
     wait_for(lambda: ctr.is_active("dsv4@broken") == "failed", 60, "dsv4@broken failed", interval=0.3)
     r = ctr.run(["systemctl", "reset-failed", "dsv4@broken.service"], user="bob", check=False)
     assert r.returncode != 0 and ctr.is_active("dsv4@broken") == "failed", r.stderr
     ctr.run(["systemctl", "reset-failed", "dsv4@broken.service"], user="alice")
     assert ctr.is_active("dsv4@broken") == "inactive" and show(ctr, "broken", "NRestarts") == "0"
+
+
+STRANGER = """
+import socket, time
+s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+s.bind(("::", 30001))
+s.listen()
+time.sleep(600)
+"""
+
+
+def test_a_stranger_on_the_ipv6_wildcard_is_exit_3_before_any_server_loads(ctr):  # type: ignore[no-untyped-def]
+    """The shipped tp4-512k's router is 0.0.0.0:30001; nobody holds [::]:30001, IPv6 only. `check`
+    used to call the port free, and the start loaded its server (minutes on a real model), then
+    found the port taken and exited 1, which systemd retries."""
+    ctr.run(["systemd-run", "--unit=stranger-v6", "-p", "User=nobody", "/usr/bin/python3", "-c", STRANGER])
+    wait_for(lambda: "[::]:30001" in ctr.run(["ss", "-Hltn"]).stdout, 10, "the stranger listening", interval=0.2)
+    stranger = int(ctr.systemctl("show", "-P", "MainPID", "stranger-v6.service").stdout)
+    checked = ctr.run([CTL, "check", "tp4-512k"], check=False)  # root, who can name the holder
+    assert checked.returncode != 0 and f"port 0.0.0.0:30001 (router) held by pid {stranger}" in checked.stdout + checked.stderr, \
+        checked.stdout + checked.stderr
+    r = ctr.run([CTL, "start", "tp4-512k", "--wait"], user="alice", timeout=60, check=False)
+    assert r.returncode == 1 and f"held by pid {stranger}" in r.stdout, r.stdout + r.stderr
+    assert show(ctr, "tp4-512k", "ExecMainStatus") == "3" and ctr.is_active("dsv4@tp4-512k") == "failed"
+    time.sleep(2.5)  # past RestartSec=1, twice: exit 3 is not retried
+    assert ctr.is_active("dsv4@tp4-512k") == "failed" and show(ctr, "tp4-512k", "NRestarts") == "0"
+    journal = ctr.journal("dsv4@tp4-512k.service")
+    assert "refusing to start" in journal and f"held by pid {stranger}" in journal, journal[-3000:]
+    assert "started pid" not in journal and "Load weight begin" not in journal, journal[-3000:]  # nothing loaded
+    ctr.systemctl("stop", "stranger-v6.service")
+    ctr.systemctl("reset-failed", "dsv4@tp4-512k.service")
