@@ -7,6 +7,7 @@ can never miss a re-parented process and never touches anything else on the mach
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import signal
 import socket
@@ -42,7 +43,7 @@ def free_ports(n: int) -> list[int]:
     to a server's +50 made the profile invalid (one run in thousands failed on it)."""
     from supervisord_gpu.config.loader import NCCL_PORT_OFFSET
 
-    socks, ports, taken = [], [], set()
+    socks, ports, taken = [], [], set(_RECENT)
     while len(ports) < n:
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
@@ -62,7 +63,15 @@ def free_ports(n: int) -> list[int]:
         taken |= {port, twin}
     for s in socks:
         s.close()
+    _RECENT.extend(taken - set(_RECENT))  # each port and its +50
     return ports
+
+
+#: the ports this process handed out last, never handed out again soon: a test that draws twice
+#: (a fixture's server, then a profile's ports) got the fixture's port again before the fixture's
+#: server had bound it (one clean-clone run: "port 127.0.0.1:46337 is held by ... /evil"). A
+#: worker draws from ~3,500 ports of its own; 256 kept aside leave plenty.
+_RECENT: collections.deque[int] = collections.deque(maxlen=256)
 
 
 def _this_workers(port: int) -> bool:
