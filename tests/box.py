@@ -83,6 +83,19 @@ def install_package(ctr, deb: Path) -> None:  # type: ignore[no-untyped-def]
     ctr.write_file("/etc/systemd/system/dsv4@.service.d/tests-checkout.conf", f"[Service]\n{checkout_settings()}")
 
 
+PACKAGE_CONFIG = "/etc/supervisord-gpu/supervisord-gpu.toml"
+
+
+def rehearse_in_package_config(ctr, server_startup: float) -> None:  # type: ignore[no-untyped-def]
+    """Switch rehearsal on in the package's own config (no GPU here: stand-ins), its servers
+    loading for `server_startup` s; everything else as the .deb shipped it."""
+    head, _, tail = ctr.read_file(PACKAGE_CONFIG).partition("[rehearsal]\n")
+    rehearsal = tail.replace("enabled = false", "enabled = true", 1).replace(
+        "server_startup = 3.0", f"server_startup = {server_startup:g}", 1)
+    assert "enabled = true" in rehearsal and f"server_startup = {server_startup:g}" in rehearsal, tail
+    ctr.write_file(PACKAGE_CONFIG, head + "[rehearsal]\n" + rehearsal)
+
+
 @pytest.fixture
 def box(fresh_systemd_container):  # type: ignore[no-untyped-def]
     """A clean systemd with our unit, policy, config and the shipped profiles installed, on a

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from box import rehearse_in_package_config
+
 # The containers here install from the Debian mirror, so they share the host's network, and
 # with it the shipped profiles' ports: one test at a time (conftest.py).
 pytestmark = [pytest.mark.slow, pytest.mark.systemd, pytest.mark.xdist_group("host-network")]
@@ -166,10 +168,7 @@ def test_remove_leaves_running_instances_alone_and_says_how_to_stop_them(contain
 def test_installed_package_runs_an_instance_that_root_and_users_can_see_but_only_root_stops(container, deb: Path) -> None:  # type: ignore[no-untyped-def]
     c = container
     _apt(c, "install", "--no-install-recommends", f"/debs/{deb.name}")
-    conf = "/etc/supervisord-gpu/supervisord-gpu.toml"  # no GPU here: rehearse with stand-ins
-    head, _, tail = c.read_file(conf).partition("[rehearsal]\n")
-    c.write_file(conf, head + "[rehearsal]\n" + tail.replace("enabled = false", "enabled = true", 1)
-                 .replace("server_startup = 3.0", "server_startup = 1.0"))
+    rehearse_in_package_config(c, server_startup=1.0)  # no GPU here: stand-ins
     c.systemctl("start", "dsv4@tp4-512k", timeout=120)
     assert c.is_active("dsv4@tp4-512k") == "active"
     sglang = int(c.run(["id", "-u", "sglang"]).stdout)

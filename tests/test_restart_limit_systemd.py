@@ -21,14 +21,13 @@ import time
 
 import pytest
 
-from box import install_package
+from box import install_package, rehearse_in_package_config
 from box import server_profile as checkout_profile
 from support import free_ports, wait_for
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 
 CTL = "/usr/bin/gpusupctl"  # the package's
-CONFIG = "/etc/supervisord-gpu/supervisord-gpu.toml"
 PROFILES = "/etc/supervisord-gpu/profiles"
 WINDOW_S = 4  # the drop-in's StartLimitIntervalSec: the daemon's forgiveness window
 
@@ -42,10 +41,7 @@ def ctr(deb):  # type: ignore[no-untyped-def]
     require_rig()
     with SystemdContainer(binds=[*repo_binds(), Bind(str(deb.parent), "/debs", True)], extra_packages=("polkitd",)) as c:
         install_package(c, deb)
-        head, _, tail = c.read_file(CONFIG).partition("[rehearsal]\n")
-        rehearsal = tail.replace("enabled = false", "enabled = true", 1).replace("server_startup = 3.0", "server_startup = 0.5", 1)
-        assert "enabled = true" in rehearsal and "server_startup = 0.5" in rehearsal, tail
-        c.write_file(CONFIG, head + "[rehearsal]\n" + rehearsal)
+        rehearse_in_package_config(c, server_startup=0.5)
         c.write_file("/etc/systemd/system/dsv4@.service.d/test.conf", "[Service]\nRestartSec=1\n")
         c.run(["usermod", "-aG", "gpusup", "alice"])
         c.run(["useradd", "--create-home", "bob"])

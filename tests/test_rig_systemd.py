@@ -108,7 +108,7 @@ def test_missing_tools_skip_locally_fail_in_ci(monkeypatch: pytest.MonkeyPatch) 
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="drops a capability from root's set")
-def test_a_root_without_net_admin_is_told_why(tmp_path: Path) -> None:
+def test_a_root_without_net_admin_is_told_why() -> None:
     """Inside a container on the host's network (nspawn's default set), root has no CAP_NET_ADMIN
     and a container booted there has its loopback down: every start then hung waiting for a
     server that could not reach itself. The rig names the cause instead."""
