@@ -179,3 +179,32 @@ def test_reach_runs_a_command_where_nobody_reaches_a_dir_under_a_closed_one(tmp_
     assert missing.returncode == 2 and missing.stderr.strip() == "reach: no-such-command: command not found", missing.stderr
     stranger = subprocess.run([*reach[:3], "no-such-user,nobody", *reach[4:], "true"], capture_output=True, text=True, cwd=REPO)
     assert stranger.returncode == 0 and "reach: no such user: no-such-user (skipped)" in stranger.stderr, stranger.stderr
+
+
+def test_the_agents_sigterm_sets_stopping_even_inside_its_wait() -> None:
+    """The agent's SIGTERM handler runs in the main thread, maybe while it holds the event's
+    lock inside stopping.wait(); setting the event right there deadlocked (SIGALRM ends the
+    test then). The relay thread sets it once the main thread lets the lock go."""
+    import threading
+
+    from supervisord_gpu.cli.daemon import set_on_signal
+
+    stopping = threading.Event()
+    previous = signal.getsignal(signal.SIGUSR1)
+
+    def timeout(*_: object) -> None:
+        raise TimeoutError("the handler waited on the lock its own thread holds")
+
+    old_alarm = signal.signal(signal.SIGALRM, timeout)
+    try:
+        set_on_signal(stopping, signal.SIGUSR1)
+        signal.alarm(3)
+        with stopping._cond:  # type: ignore[attr-defined]  # where event.wait() holds it
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.2)  # the handler runs here, in this thread, lock held
+            assert not stopping.is_set()
+        assert stopping.wait(2), "SIGUSR1 never set the event"
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old_alarm)
+        signal.signal(signal.SIGUSR1, previous)

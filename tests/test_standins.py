@@ -1090,6 +1090,22 @@ def test_fault_exit_on_term_slow(procs: Procs) -> None:
     assert procs.tagged() == []
 
 
+
+@pytest.mark.parametrize("fault", ["hang-on-term", "exit-on-term-slow:5"])
+def test_a_sigterm_taken_by_another_thread_still_reaches_the_main_one(procs: Procs, fault: str) -> None:
+    """kill() of a process lets the kernel pick any thread; Python runs the handler in the main
+    one only, which sleeps in select(): without the wakeup fd it never woke (a fault-matrix
+    flake: the supervisor's SIGTERM sat unseen until its deadline). SGLang's uvicorn loop has
+    the wakeup fd. kill() of a thread's id makes the kernel prefer that thread."""
+    p, port, _, err = start_server(procs, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+                                   str(free_port()), env={S.ENV_FAULT: fault})
+    wait_ready(port)
+    others = [int(t) for t in os.listdir(f"/proc/{p.pid}/task") if int(t) != p.pid]
+    assert others, "the stand-in serves from threads"
+    os.kill(others[0], signal.SIGTERM)
+    wait_for(lambda: "SIGTERM received" in err.read_text(), 3, what="SIGTERM log line")
+    assert status(f"http://127.0.0.1:{port}/ready") == 503
+
 # --- routers: the real sglang-router 0.3.2 and the stand-in ----------------------------
 
 ROUTERS = [

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import threading
 
 from .. import __version__
 from .common import guarded
@@ -60,7 +62,7 @@ def run_agent(config_dir: str | None) -> int:
     sink = open_sink("agent")
     agent = NodeAgent(cfg, ClusterStore(cfg.cluster), Units(), inventory_for(cfg, cfg.rehearsal.enabled),
                       lambda message, priority: sink.event(message, priority))
-    signal.signal(signal.SIGTERM, lambda *_: agent.stopping.set())
+    set_on_signal(agent.stopping, signal.SIGTERM)
     notifier = Notifier()
 
     def joined() -> None:
@@ -69,6 +71,26 @@ def run_agent(config_dir: str | None) -> int:
 
     agent.on_joined = joined
     return agent.run()
+
+
+def set_on_signal(event: threading.Event, signum: int) -> None:
+    """Set `event` when `signum` comes: from a relay thread, never inside the handler.
+
+    Why: Python runs a handler in the main thread between two bytecodes, possibly inside
+    event.wait() while that thread holds the event's (non-reentrant) lock; event.set() there
+    would wait on it for ever, and systemd would SIGKILL the agent at TimeoutStopSec instead of
+    it revoking its lease. The handler only writes a byte to a pipe, which takes no lock.
+    Call from the main thread."""
+    import signal
+
+    r, w = os.pipe()
+
+    def relay() -> None:
+        os.read(r, 1)
+        event.set()
+
+    threading.Thread(target=relay, name=f"signal-{signum}", daemon=True).start()
+    signal.signal(signum, lambda *_: os.write(w, b"s"))
 
 
 if __name__ == "__main__":

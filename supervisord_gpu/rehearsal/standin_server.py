@@ -846,6 +846,12 @@ class StandinServer:
     def run(self) -> int:
         """The whole life of the server; a SIGINT anywhere ends as SGLang's KeyboardInterrupt does."""
         signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's: KeyboardInterrupt
+        # A process-directed signal may land on any thread (an HTTP handler's, the bootstrap
+        # server's); Python runs its handler only in the main thread, which sleeps in select()
+        # on the control pipe. The wakeup fd makes the C-level handler write to that pipe from
+        # whichever thread took the signal, so the main thread wakes and runs the handler.
+        # SGLang's main thread is uvicorn's asyncio loop, which does the same (loop.add_signal_handler).
+        signal.set_wakeup_fd(self._ctl_w, warn_on_full_buffer=False)
         try:
             return self._run()
         except KeyboardInterrupt:
