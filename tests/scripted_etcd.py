@@ -13,6 +13,7 @@ import pytest
 
 from supervisord_gpu.cluster.store import ClusterStore
 from supervisord_gpu.config.model import ClusterConfig
+from supervisord_gpu.rehearsal._http import StandinHTTPServer
 
 PREFIX = "/supervisord-gpu"
 
@@ -66,7 +67,7 @@ class Etcd(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def etcd() -> Iterator[tuple[str, type[Etcd]]]:
     handler = type("Handler", (Etcd,), {"answers": {}, "asked": [], "encodings": [], "release": threading.Event()})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = StandinHTTPServer("127.0.0.1", 0, handler)  # quiet about clients that hang up
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
     try:

@@ -34,6 +34,7 @@ from supervisord_gpu.cluster.failures import classify  # noqa: E402
 from supervisord_gpu.cluster.kv import MemoryKV  # noqa: E402
 from supervisord_gpu.cluster.store import ClusterStore, ClusterUnavailable  # noqa: E402
 from supervisord_gpu.config.model import ClusterConfig  # noqa: E402
+from supervisord_gpu.rehearsal._http import StandinHTTPServer  # noqa: E402
 
 from scripted_etcd import FRIENDLY, PREFIX, Etcd, etcd, store_at  # noqa: E402,F401  (etcd: the fixture)
 
@@ -397,7 +398,7 @@ def test_F5_a_redirect_is_not_followed(etcd) -> None:
         def log_message(self, *args: object) -> None:
             pass
 
-    victim = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Victim)
+    victim = StandinHTTPServer("127.0.0.1", 0, Victim)
     threading.Thread(target=victim.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     try:
         where = f"http://127.0.0.1:{victim.server_address[1]}/pause_generation"

@@ -29,7 +29,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -38,6 +38,7 @@ import pytest
 
 from supervisord_gpu.checks.simgpu import SimulatedGpus
 from supervisord_gpu.rehearsal import standin_router, standin_server
+from supervisord_gpu.rehearsal._http import StandinHTTPServer
 from supervisord_gpu.sglang import exits, options
 from support import free_ports, stop_process, wait_for
 
@@ -904,7 +905,7 @@ def test_a_busy_http_port_still_warms_up_against_its_holder_then_exits_3(procs: 
         def log_message(self, *args: Any) -> None:
             pass
 
-    holder = ThreadingHTTPServer(("127.0.0.1", 0), Holder)
+    holder = StandinHTTPServer("127.0.0.1", 0, Holder)
     threading.Thread(target=holder.serve_forever, daemon=True).start()
     try:
         port = holder.server_address[1]
