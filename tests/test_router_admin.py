@@ -11,10 +11,12 @@ the same expectations: the stand-in must answer as the real one does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -30,9 +32,8 @@ import pytest
 from supervisord_gpu.config.loader import load_daemon_config, load_profile
 from supervisord_gpu.config.render import render
 from supervisord_gpu.sglang import router_key
-from supervisord_gpu.engine.traffic import RouterWorkers
 from supervisord_gpu.rehearsal import standin_router, standin_server
-from support import free_ports, make_instance, pd_profile, wait_for, write_config
+from support import free_ports, make_instance, pd_profile, wait_for, with_env, write_config
 
 PY = sys.executable
 SETPRIV = shutil.which("setpriv")
@@ -335,7 +336,7 @@ def test_a_worker_added_behind_our_back_with_the_key_is_named_and_removed(tmp_pa
     async def go() -> None:
         await instance.start()
         try:
-            workers = RouterWorkers.of(instance.processes["router"].launch)
+            workers = instance.processes["router"].router_api()
             assert (await workers.enforce(sink, "router")).ready and sink.events == []
             key = _key(instance)
             code, _, body = await asyncio.to_thread(http, "POST", rport, "/workers", {"url": evil},
@@ -367,7 +368,7 @@ def test_without_the_key_the_daemon_cannot_touch_the_router_and_says_why(tmp_pat
         try:
             launch = instance.processes["router"].launch
             os.chown(launch.router_key, 65534, 65534)
-            workers = RouterWorkers.of(launch)
+            workers = instance.processes["router"].router_api()
             check = await workers.enforce(Recording(), "router")
             assert not check.ready and "could not be read" in check.problem and "owned by uid 65534" in check.problem
             return await workers.withdraw(instance.processes["alpha"].spec, 1.0)
@@ -472,6 +473,98 @@ def test_a_process_of_the_routers_own_user_cannot_read_the_key_from_its_environm
         proc.kill()
         proc.wait()
         shutil.rmtree(where)
+
+
+# --------------------------------------------------------------------------- a stranger on the router's port
+
+
+#: run as nobody: bind the router's port as soon as it is free (the router closed its listener on
+#: SIGTERM and drains), answer 200 to everything, and print each request's method, path and
+#: whether it carried an Authorization header (and the header itself: what an attacker keeps)
+STRANGER = r"""
+import socket, sys, time
+port = int(sys.argv[1])
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+deadline = time.monotonic() + 20
+while True:
+    try:
+        s.bind(("127.0.0.1", port))
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.005)
+s.listen(64)
+print("bound", flush=True)
+while True:
+    conn, _ = s.accept()
+    with conn:
+        conn.settimeout(2)
+        try:
+            head = conn.recv(65536).split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
+        except OSError:
+            continue
+        auth = [h for h in head[1:] if h.lower().startswith("authorization:")]
+        print(head[0], "|", *auth, flush=True)
+        body = b'{"status":"ready","workers":[]}'
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+"""
+
+
+@as_root
+@pytest.mark.parametrize("router", ROUTERS)
+def test_a_stranger_on_the_routers_port_after_its_sigterm_never_gets_the_key(tmp_path: Path, cgroups: Any,
+                                                                             router: str, capsys: Any) -> None:
+    """The real router closes its listener at once on SIGTERM and lives on while a request drains
+    (up to 180 s); a process of its user (the servers' model code) can send that SIGTERM, and then
+    any local user can bind the port. Its answers must not keep the router "alive", and neither the
+    liveness tick's worker check nor a restart's withdraw may hand it the control-plane key."""
+    ports = free_ports(4)
+    text = with_env(profile_text(ports, liveness_s=0.3), "alpha", SUPERVISORD_GPU_STANDIN_TOKEN_S="0.25")
+    text = with_env(text, "beta", SUPERVISORD_GPU_STANDIN_TOKEN_S="0.25")
+    cdir = write_config(tmp_path, {"p": text}, cgroups.root, startup=0.3, router=router)
+    instance, _ = make_instance(cdir, "p")
+    rport = ports[2]
+    seen: list[str] = []
+
+    def in_flight() -> None:
+        """A request the router drains after its SIGTERM (40 tokens at 0.25 s: 10 s)."""
+        with contextlib.suppress(OSError, IndexError):  # cut when the router goes: no answer at all
+            http("POST", rport, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 40}})
+
+    async def go() -> str:
+        await instance.start()
+        router_proc = instance.processes["router"]
+        stranger = None
+        try:
+            threading.Thread(target=in_flight, daemon=True).start()
+            await asyncio.sleep(1.0)
+            os.kill(router_proc.pid, signal.SIGTERM)
+            stranger = subprocess.Popen([SETPRIV, "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                                         PY, "-I", "-c", STRANGER, str(rport)],
+                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd="/")
+            threading.Thread(target=lambda: seen.extend(stranger.stdout), daemon=True).start()
+            await asyncio.to_thread(wait_for, lambda: "bound\n" in seen, 20, "the stranger on the router's port")
+            # the daemon's liveness ticks every 0.3 s: give it a dozen to be fooled
+            await asyncio.to_thread(wait_for, lambda: len(seen) > 3, 10, "the daemon's probes reaching the stranger")
+            await asyncio.sleep(3.0)
+            return await router_proc.router_api().withdraw(instance.processes["alpha"].spec, 1.0)
+        finally:
+            if stranger is not None:
+                stranger.kill()
+                stranger.wait()
+            await instance.stop()
+
+    why = asyncio.run(go())
+    requests = [line for line in seen if line != "bound\n"]
+    assert requests, "the stranger was never asked anything: the attack did not happen"
+    assert not any("authorization" in line.lower() for line in requests), requests
+    assert not any("/workers" in line for line in requests), requests
+    assert "not sent, it would carry the control-plane key" in why and "(user nobody)" in why, why
+    err = capsys.readouterr().err
+    assert re.search(rf"router: port [^ ]+:{rport} is held by pid \d+ \(user nobody", err), err[-3000:]
 
 
 # --------------------------------------------------------------------------- nothing beyond loopback

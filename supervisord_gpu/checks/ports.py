@@ -193,6 +193,16 @@ class ListenerOwnership:
     foreign: tuple[Holder, ...] = ()
     foreign_uids: tuple[int, ...] = ()
 
+    @property
+    def strangers(self) -> bool:
+        """Someone other than our process listens there (seen by PID, or only by its socket's uid)."""
+        return bool(self.foreign or self.foreign_uids)
+
+    @property
+    def ours_alone(self) -> bool:
+        """Only our process listens there: what a connection to the port reaches is ours."""
+        return self.ours and not self.strangers
+
     def describe_foreign(self) -> str:
         if self.foreign:
             return " and ".join(h.describe() for h in self.foreign)

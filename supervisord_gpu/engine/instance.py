@@ -294,7 +294,7 @@ class Instance:
         router = self._router_of(proc)
         if router is None or router.state != State.READY:
             return None
-        workers = RouterWorkers.of(router.launch)  # with the instance's control-plane key
+        workers = router.router_api()  # with the instance's control-plane key, to its own listener only
         began = time.monotonic()
         why = await workers.withdraw(proc.spec, timeout=TRAFFIC_API_TIMEOUT_S)
         if why:

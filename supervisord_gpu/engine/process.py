@@ -15,7 +15,7 @@ import time
 from ..records import dataclass, field
 from collections.abc import Callable, Mapping
 
-from ..checks.ports import check_ports, listener_ownership
+from ..checks.ports import ListenerOwnership, check_ports, listener_ownership
 from ..config.render import Launch
 from ..errors import StartError
 from ..ownership.base import OwnershipDriver, Spawned, SpawnRequest
@@ -316,14 +316,47 @@ class ManagedProcess:
         answer our probe 200. Only a listener held by a process in this process's own cgroup
         counts; a foreign one fails the start (never READY=1), named by PID, user and command line.
         """
-        assert self.spawned is not None
-        spec, group = self.spec, self.spawned.group
-        own = await asyncio.to_thread(listener_ownership, spec.host, spec.port, group.pids())
-        if own.foreign:
+        spec = self.spec
+        own = await self._listeners()
+        if own.strangers:
             raise StartError(self._failure(
                 f"port {spec.host}:{spec.port} is held by {own.describe_foreign()} while {self.name} is starting; "
                 "refusing to report ready (it would send our traffic to them)"))
         return own.ours
+
+    async def _listeners(self) -> ListenerOwnership:
+        """Who listens on its port now, against the processes in its own cgroup."""
+        return await asyncio.to_thread(listener_ownership, self.spec.host, self.spec.port, self._pids())
+
+    def _pids(self) -> list[int]:
+        """Its cgroup's processes now (none before the spawn)."""
+        return self.spawned.group.pids() if self.spawned is not None else []
+
+    def router_api(self) -> RouterWorkers:
+        """This router's worker API, with the instance's key, called only while this process
+        alone listens on its port (engine/traffic.py)."""
+        return RouterWorkers.of(self.launch, self._pids)
+
+    async def _answer_if_ours(self, status: int | None, stranger: str) -> tuple[int | None, str]:
+        """After ready: a liveness answer counts only if it came from our own listener.
+
+        The real router closes its port at once on SIGTERM and drains for up to 180 s; a server
+        whose front end stopped listening lives on too. Whoever binds the port then (a process
+        of the same user can send that SIGTERM) would answer 200 for a process that serves
+        nobody, and get the router's key with our next worker call. A stranger's answer is no
+        answer (the cgroup is killed after `failures` of them), named in the journal once.
+        Returns (the status to count, the stranger last named)."""
+        if status is None:
+            return None, stranger
+        own = await self._listeners()
+        if own.ours_alone:
+            return status, ""
+        who = own.describe_foreign() if own.strangers else "nobody (its listener is closed)"
+        if who != stranger:
+            self.sink.event(f"{self.name}: port {self.spec.host}:{self.spec.port} is held by {who}, not by "
+                            f"{self.name}; its answers do not count, and nothing with the control-plane key "
+                            "goes to it", 3, GPUSUP_PROCESS=self.name, GPUSUP_EVENT="port-stranger")
+        return None, who
 
     async def wait_ready(self) -> None:
         """Probe until 200 from our own listener, the deadline, or the process's death; raises StartError
@@ -354,7 +387,7 @@ class ManagedProcess:
             if status == 200 and ours and spec.kind == "router":
                 # the router's own /readiness counts any healthy worker; ours counts the profile's,
                 # and removes anyone else's first (engine/traffic.py, RouterWorkers.enforce)
-                if not (await RouterWorkers.of(self.launch).enforce(self.sink, self.name)).ready:
+                if not (await self.router_api().enforce(self.sink, self.name)).ready:
                     status = 503
             if status == 200 and ours and not self._exited.is_set():
                 self.ready_since = time.time()
@@ -432,11 +465,12 @@ class ManagedProcess:
             status, _ = await request("GET", spec.probe_host, spec.port, cfg.scheduler_path,
                                       timeout=cfg.scheduler_timeout_s)
             # 401/403: the server wants an API key (--api-key); the scheduler cannot be asked,
-            # and only its CPU time speaks for it
-            if status == 200:
+            # and only its CPU time speaks for it. A stranger's 200 speaks for nobody.
+            if status == 200 and (await self._listeners()).ours_alone:
                 watch.scheduler_answered(time.monotonic())
 
         ran = RanSince(self.spawned.pid if self.spawned else 0)
+        stranger = ""  # who answered on our port last tick instead of us ("" when we did)
 
         try:
             while True:
@@ -450,10 +484,11 @@ class ManagedProcess:
                     if asking is None or asking.done():
                         asking = asyncio.ensure_future(ask_scheduler())
                 status = (await probe(spec.probe_host, spec.port, cfg.liveness_path, cfg.liveness_timeout_s)).status
+                status, stranger = await self._answer_if_ours(status, stranger)
                 verdict = watch.front(status, time.monotonic())
                 if spec.kind == "router" and status == 200:
                     # a worker nobody in the profile named gets users' prompts: named and removed
-                    await RouterWorkers.of(self.launch).enforce(self.sink, self.name)
+                    await self.router_api().enforce(self.sink, self.name)
                 self._note_serving(verdict.serving, status)
                 if verdict.kill:
                     self.signals_sent[signal.SIGKILL] = verdict.kill

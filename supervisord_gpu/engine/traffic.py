@@ -10,7 +10,11 @@ none of this is needed: the router stops first and closes its listener.
 
 That API is closed to everyone but the daemon (sglang/router_key.py: each call carries the
 instance's control-plane key), and RouterWorkers.enforce keeps the list to the workers the
-profile names: anyone else's is named in the journal at error priority and removed.
+profile names: anyone else's is named in the journal at error priority and removed. The key
+goes only to a listener held by the router's own cgroup: after a SIGTERM the real router
+closes its port at once and lives on while requests drain (up to 180 s), and a process of its
+own user (the servers' model code) can send that signal and bind the port; the key would
+otherwise be handed to it at the next call.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import asyncio
 import json
 import re
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from ..checks.ports import listener_ownership
 from ..config.model import ProcessSpec
 from ..config.render import Launch
 from ..errors import one_line
@@ -66,29 +72,46 @@ class RouterWorkers:
 
     The key file is read on every call (sglang/router_key.py checks it each time), so a call
     made before the router's first start, or with the file tampered with, fails with a reason
-    rather than going out without the header.
+    rather than going out without the header. Before each call the router's port is looked
+    up (`listener_ownership`): the call goes out only while the router's own processes
+    (`router_pids`, its cgroup now) listen there and nobody else does.
     """
 
-    def __init__(self, router: ProcessSpec, key_file: Path | None = None,
-                 expected: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(self, router: ProcessSpec, router_pids: Callable[[], Iterable[int]],
+                 key_file: Path | None = None, expected: tuple[tuple[str, str], ...] = ()) -> None:
         self.router = router
         self.host = router.probe_host
         self.port = router.port
+        self.router_pids = router_pids
         self.key_file = key_file
         #: (url, worker_type) of each worker the profile names: any other listed worker is foreign
         self.expected = expected
 
     @classmethod
-    def of(cls, launch: Launch) -> RouterWorkers:
-        """The API of the router `launch` starts (render.py sets its key file and workers)."""
-        return cls(launch.spec, launch.router_key, launch.router_workers)
+    def of(cls, launch: Launch, router_pids: Callable[[], Iterable[int]]) -> RouterWorkers:
+        """The API of the router `launch` starts (render.py sets its key file and workers), whose
+        processes now are `router_pids()`."""
+        return cls(launch.spec, router_pids, launch.router_key, launch.router_workers)
 
     async def _call(self, method: str, path: str, body: object = None) -> tuple[int | None, bytes]:
         try:
             headers = auth_header(read_key(self.key_file)) if self.key_file is not None else {}
         except RouterKeyError as e:
             return None, str(e).encode()
+        if why := await self._not_the_router():
+            return None, why.encode()
         return await request(method, self.host, self.port, path, body, timeout=API_TIMEOUT_S, headers=headers)
+
+    async def _not_the_router(self) -> str:
+        """"" while only the router's own processes listen on its port, else who does instead."""
+        own = await asyncio.to_thread(listener_ownership, self.host, self.port, list(self.router_pids()))
+        where = f"{self.host}:{self.port}"
+        if own.strangers:
+            return (f"not sent, it would carry the control-plane key: {where} is held by "
+                    f"{own.describe_foreign()}, not by {self.router.name}")
+        if not own.ours:
+            return f"not sent: {self.router.name} is not listening on {where}"
+        return ""
 
     async def workers(self) -> list[dict[str, Any]] | None:
         return (await self._list())[0]
@@ -96,7 +119,7 @@ class RouterWorkers:
     async def _list(self) -> tuple[list[dict[str, Any]] | None, str]:
         """(the router's workers, "") or (None, why not): a list we cannot read is never "empty"."""
         status, body = await self._call("GET", "/workers")
-        why = f"the router's worker list could not be read ({status or 'no answer'}: {body[:160]!r})"
+        why = _failed("the router's worker list could not be read", status, body, 160)
         if status != 200:
             return None, why
         try:
@@ -122,7 +145,7 @@ class RouterWorkers:
         worker_id = str(worker.get("id", ""))
         status, body = await self._call("DELETE", f"/workers/{worker_id}")
         if status not in (200, 202, 204):
-            return f"the router refused to remove it ({status or 'no answer'}: {body[:120]!r})"
+            return _failed("the router refused to remove it", status, body, 120)
         deadline = time.monotonic() + timeout
         while await self._listed(worker_id):
             if time.monotonic() > deadline:
@@ -150,7 +173,7 @@ class RouterWorkers:
                     body["bootstrap_port"] = server.bootstrap_port
             status, answer = await self._call("POST", "/workers", body)
             if status not in (200, 201, 202):
-                return f"the router refused to add it back ({status or 'no answer'}: {answer[:120]!r})"
+                return _failed("the router refused to add it back", status, answer, 120)
         deadline = time.monotonic() + timeout
         while not ((w := await self._find(server.url)) is not None and w.get("is_healthy", True)):
             if time.monotonic() > deadline:
@@ -194,6 +217,14 @@ class RouterWorkers:
         healthy = sum(1 for w in listed if self.is_ours(w) and w.get("is_healthy", False))
         problem = f"foreign worker(s) still in the router: {', '.join(left)}" if left else ""
         return WorkerCheck(healthy, len(self.expected), tuple(found), problem)
+
+
+def _failed(what: str, status: int | None, body: bytes, limit: int) -> str:
+    """Why a call failed: a call never sent (no status; `_call` put its reason in the body) is said
+    whole, in our words; a router's answer is cut to `limit` and quoted (it is not ours)."""
+    if status is None and body:
+        return f"{what} ({body.decode()})"
+    return f"{what} ({status or 'no answer'}: {body[:limit]!r})"
 
 
 def _url(worker: dict[str, Any]) -> str:
