@@ -107,6 +107,30 @@ print(json.dumps({{"mode": mode, "removed": sorted(removed)}}))
     assert victim.read_text() == "root's\n" and Path("/etc/passwd").exists()  # nothing followed
 
 
+def test_a_cache_dir_below_a_directory_another_user_can_change_is_refused_with_nothing_made(nobody, base):
+    """SECURITY.md, Files: a `cache_dir` an operator put under the server user's own directory.
+    Root made <cache_dir>/<user> there and chowned it by path, so that user could swap a
+    component for a link between root's check and its chown and be handed another directory.
+    The nearest existing directory is now verified (root's alone, from / down) before anything
+    is made in it, and what is made is made relative to it."""
+    home = base / "home"  # the user's own: it may rename, replace and plant there at will
+    home.mkdir(mode=0o755)
+    os.chown(home, nobody.pw_uid, nobody.pw_gid)
+    for target in (home / "cache" / "nobody", home / "nobody"):  # a parent to make, and the user's dir itself
+        code = PREAMBLE + f"""
+from supervisord_gpu.config.trust import UntrustedPath
+try:
+    PrivateDir(Path({str(target)!r}), {nobody.pw_uid}, {nobody.pw_gid}).prepare()
+    print(json.dumps({{"refused": ""}}))
+except UntrustedPath as e:
+    print(json.dumps({{"refused": str(e)}}))
+"""
+        refused = as_daemon(code)["refused"]
+        assert refused.startswith(f"refusing to prepare {target}: {home} is writable by non-root users "
+                                  f"(owner uid {nobody.pw_uid}"), refused
+        assert os.listdir(home) == []  # nothing made there by root
+
+
 def test_two_servers_of_one_user_prepare_their_shared_cache_side_by_side_without_fowner(nobody, base):
     """Prefill and decode run as one user and share its compile cache; the daemon prepares both
     in threads at once. Without CAP_FOWNER a chmod landing after the other's last chown failed

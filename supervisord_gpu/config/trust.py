@@ -47,6 +47,19 @@ def check_modes(path: Path, stop_at: Path | None = None) -> None:
     os.close(fd)
 
 
+def open_verified_dir(path: Path) -> int:
+    """An O_PATH descriptor of the directory `path`, for *at() calls relative to it.
+
+    As root, the same walk as `check_modes`: it and every directory above it are root's (or
+    ours) and writable by nobody else, checked on the descriptors the walk opens, so no entry
+    in it can be swapped by another user after it is returned. Not root: a plain open (nothing
+    runs as root on it). Raises ConfigError naming the untrusted component, OSError otherwise.
+    """
+    if os.geteuid() != 0:
+        return os.open(path, _DIR_FLAGS)
+    return _Walk().open(Path(path), want_dir=True)[0]
+
+
 def read_verified(path: Path) -> bytes:
     """The content of `path`, read from the very descriptor whose owner and mode were checked.
 

@@ -35,6 +35,8 @@ from ..records import dataclass, field
 from pathlib import Path
 from collections.abc import Collection, Iterable, Iterator
 
+from ..config.trust import UntrustedPath, open_verified_dir
+from ..errors import ConfigError
 from .procfs import all_pids, is_zombie, open_files, read_text
 
 SHM_DIR = "/dev/shm"
@@ -61,6 +63,12 @@ class PrivateDir:
     so the mode is set while the directory is still root's, and emptying it is done by a
     short-lived process running as its user (`clear`): it can remove only what that user
     could remove anyway, whatever the user planted inside.
+
+    Its parent is opened once by descriptor, each directory from / down checked as
+    root's alone (config/trust.py, `open_verified_dir`), and the directory is made, checked and
+    re-owned relative to that descriptor, never followed: a parent another user can write (a
+    `cache_dir` under their home) is refused, so nobody can swap a component for a link between
+    our check and our chown and have root hand another directory to the server's user.
     """
 
     path: Path
@@ -76,32 +84,36 @@ class PrivateDir:
         fails with EPERM if the other one's last chown lands between ours, so it is done under
         a lock and, should another daemon win that race, re-checked: its result is ours."""
         with _PREPARING:
-            _make_passable(self.path.parent)
-            for attempt in range(3):
-                try:
-                    self._own()
-                    return
-                except PermissionError:
-                    if attempt == 2:
-                        raise
+            parent = _open_passable(self.path.parent, self.path)
+            try:
+                for attempt in range(3):
+                    try:
+                        self._own(parent, self.path.name)
+                        return
+                    except PermissionError:
+                        if attempt == 2:
+                            raise
+            finally:
+                os.close(parent)
 
-    def _own(self) -> None:
+    def _own(self, parent: int, name: str) -> None:
+        """Make, check and re-own `name` in the verified directory `parent`, never following a link."""
         try:
-            os.mkdir(self.path, self.mode)
+            os.mkdir(name, self.mode, dir_fd=parent)
         except FileExistsError:
             pass
-        st = os.lstat(self.path)
+        st = os.stat(name, dir_fd=parent, follow_symlinks=False)
         if not stat.S_ISDIR(st.st_mode):
             raise OSError(errno.ENOTDIR, f"{self.path} exists and is not a directory")
         ours = (st.st_uid, st.st_gid) == (self.uid, self.gid)
         if ours and stat.S_IMODE(st.st_mode) == self.mode:
             return
         as_root = os.geteuid() == 0
-        if as_root and st.st_uid != 0:
-            os.lchown(self.path, 0, 0)  # CAP_CHOWN; a mode change of another user's needs CAP_FOWNER
-        os.chmod(self.path, self.mode, follow_symlinks=False)
+        if as_root and st.st_uid != 0:  # CAP_CHOWN; a mode change of another user's needs CAP_FOWNER
+            os.chown(name, 0, 0, dir_fd=parent, follow_symlinks=False)
+        os.chmod(name, self.mode, dir_fd=parent, follow_symlinks=False)
         if as_root:
-            os.lchown(self.path, self.uid, self.gid)
+            os.chown(name, self.uid, self.gid, dir_fd=parent, follow_symlinks=False)
 
     def clear(self) -> list[str]:
         """Remove everything inside (never following links); returns what was removed."""
@@ -110,26 +122,50 @@ class PrivateDir:
         return _clear(self.path)
 
 
-def _make_passable(parent: Path) -> None:
-    """Create `parent` and what is missing above it as 0711: its user must pass through them
-    to reach its directory (the unit's UMask=0027 would make them 0750, root's alone: the
-    server then had no usable TMPDIR, and emptying it as its user could not reach it), and
-    nobody may list them. An existing parent of ours that others cannot pass is made passable."""
-    missing = []
-    here = parent
-    while not here.exists():
-        missing.append(here)
+def _open_passable(parent: Path, wanted: Path) -> int:
+    """A verified descriptor of `parent` (config/trust.py), after creating what is missing of it as 0711.
+
+    Its user must pass through them to reach its directory (the unit's UMask=0027 would make
+    them 0750, root's alone: the server then had no usable TMPDIR, and emptying it as its user
+    could not reach it), and nobody may list them; an existing `parent` of ours that others
+    cannot pass is made passable. The nearest existing directory is verified before anything is
+    made in it, and each new one is made relative to the one above, never through a link: a
+    `cache_dir` under a directory another user can write is refused with nothing made there.
+    """
+    names = [parent.name]
+    here = parent.parent
+    while not os.path.lexists(here):
+        names.append(here.name)
         here = here.parent
-    for d in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(d, 0o711)
-    st = os.lstat(parent)
-    if not stat.S_ISDIR(st.st_mode):
-        raise OSError(errno.ENOTDIR, f"{parent} exists and is not a directory")
-    for d in missing:  # the umask took bits away
-        os.chmod(d, 0o711, follow_symlinks=False)
-    if not missing and st.st_uid == os.geteuid() and st.st_mode & 0o011 != 0o011:
-        os.chmod(parent, stat.S_IMODE(st.st_mode) | 0o011, follow_symlinks=False)
+    fd = _open_verified(here, wanted)
+    try:
+        for i, name in enumerate(reversed(names)):
+            made = False
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, 0o711, dir_fd=fd)
+                made = True
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode):
+                raise OSError(errno.ENOTDIR, f"{parent} exists and is not a directory")
+            if made:  # the umask took bits away
+                os.chmod(name, 0o711, dir_fd=fd, follow_symlinks=False)
+            elif i == len(names) - 1 and st.st_uid == os.geteuid() and st.st_mode & 0o011 != 0o011:
+                os.chmod(name, stat.S_IMODE(st.st_mode) | 0o011, dir_fd=fd, follow_symlinks=False)
+            below = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = below
+    finally:
+        os.close(fd)
+    return _open_verified(parent, wanted)  # the whole walk again, now that every part exists
+
+
+def _open_verified(directory: Path, wanted: Path) -> int:
+    try:
+        return open_verified_dir(directory)
+    except ConfigError as e:
+        why = e.problem.split(";")[0]  # "is writable by non-root users (owner uid U, mode M)"
+        raise UntrustedPath(f"refusing to prepare {wanted}: {e.path} {why}; root makes nothing below a directory "
+                            "another user can change (put it under one root alone can write)") from None
 
 
 def _clear(path: Path) -> list[str]:
