@@ -265,3 +265,29 @@ def test_only_a_cgroup_where_only_root_can_put_it_counts_as_ours(path, owner) ->
     from supervisord_gpu.names import owner_of_cgroup
 
     assert owner_of_cgroup(path) == owner
+
+
+def test_who_accepted_names_whoever_holds_this_connections_other_end(listen) -> None:  # type: ignore[no-untyped-def]
+    """The check before a key or a liveness verdict: which process accepted *this* connection."""
+    from supervisord_gpu.checks.ports import who_accepted
+
+    hog = listen("127.0.0.1", 0)  # listens, never accepts: the connection waits in its queue
+    with socket.create_connection(("127.0.0.1", hog.port)) as c:
+        waiting = who_accepted(c.getsockname(), c.getpeername(), hog.pids, 0.2)
+    assert not waiting.ours and waiting.stranger == "" and waiting.why_not() == "nothing accepted it in time"
+
+    families = [("127.0.0.1", socket.AF_INET, "127.0.0.1")]
+    if ipv6_available():  # a dual-stack listener: the accepted socket is in tcp6 as ::ffff:127.0.0.1
+        families.append(("::", socket.AF_INET6, "127.0.0.1"))
+    for bind, family, connect in families:
+        with socket.socket(family) as server:
+            server.bind((bind, 0))
+            server.listen()
+            with socket.create_connection((connect, server.getsockname()[1])) as c:
+                accepted, _ = server.accept()
+                with accepted:
+                    ours = who_accepted(c.getsockname(), c.getpeername(), [os.getpid()], 1)
+                    theirs = who_accepted(c.getsockname(), c.getpeername(), hog.pids, 1)
+        assert ours.ours and ours.why_not() == "", (bind, ours)
+        assert not theirs.ours and theirs.stranger.startswith(f"pid {os.getpid()} "), (bind, theirs)
+        assert theirs.why_not().startswith("it was accepted by pid")

@@ -12,7 +12,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
+import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -127,6 +131,54 @@ def test_a_ready_latched_by_someone_elses_failed_health_is_not_killed_and_clears
     failed, latched, seen, ok = asyncio.run(go())
     assert (failed, latched) == (503, 503), "the stand-in did not latch: the test would prove nothing"
     assert proc.restarts_total == 0 and seen[-1] is False and ok == 200
+
+
+#: run as nobody: listen on [::1]:PORT (the other family's loopback, which a bind of 127.0.0.1 leaves
+#: free) and answer 200 to whoever comes: clients of `localhost` may come, our probes of 127.0.0.1 never do
+OTHER_FAMILY = r"""
+import socket, sys
+s = socket.socket(socket.AF_INET6)
+s.bind(("::1", int(sys.argv[1])))
+s.listen(8)
+print("bound", flush=True)
+while True:
+    conn, _ = s.accept()
+    with conn:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_a_stranger_on_the_other_familys_loopback_after_ready_kills_nothing(tmp_path, cgroups):
+    """Only who accepted each probe's own connection counts, not who else listens on the port
+    number: a local user on [::1]:P while the server serves 127.0.0.1:P answers none of our
+    probes, so the server is neither killed nor taken for someone else's (counting every
+    listener on the port, a first version of the after-ready check killed it within its bound)."""
+    (port,) = free_ports(1)
+    try:
+        with socket.socket(socket.AF_INET6) as probe6:
+            probe6.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    cdir = write_config(tmp_path, {"p": one_server(port)}, cgroups.root, startup=0.3)
+    instance, _ = make_instance(cdir, "p")
+    proc = instance.processes["server"]
+
+    async def go() -> list[bool]:
+        await instance.start()
+        pid = proc.pid
+        stranger = subprocess.Popen(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable,
+                                     "-I", "-c", OTHER_FAMILY, str(port)], stdout=subprocess.PIPE, text=True, cwd="/")
+        try:
+            assert stranger.stdout is not None and stranger.stdout.readline() == "bound\n"
+            return await _hold_up(proc, 6, pid)  # twice the bound a dead server gets
+        finally:
+            stranger.kill()
+            stranger.wait()
+            await instance.stop()
+
+    seen = asyncio.run(go())
+    assert proc.spec.probe.liveness_bound_s <= 3 and proc.restarts_total == 0 and all(seen), seen
 
 
 def test_a_sigstopped_scheduler_is_killed_after_scheduler_timeout_and_the_server_restarted(tmp_path, cgroups):

@@ -506,7 +506,7 @@ while True:
         except OSError:
             continue
         auth = [h for h in head[1:] if h.lower().startswith("authorization:")]
-        print(head[0], "|", *auth, flush=True)
+        print(head[0] or "(connected, nothing sent)", "|", *auth, flush=True)
         body = b'{"status":"ready","workers":[]}'
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
@@ -520,7 +520,8 @@ def test_a_stranger_on_the_routers_port_after_its_sigterm_never_gets_the_key(tmp
     """The real router closes its listener at once on SIGTERM and lives on while a request drains
     (up to 180 s); a process of its user (the servers' model code) can send that SIGTERM, and then
     any local user can bind the port. Its answers must not keep the router "alive", and neither the
-    liveness tick's worker check nor a restart's withdraw may hand it the control-plane key."""
+    liveness tick's worker check nor a restart's withdraw may hand it the control-plane key: before
+    anything is written, the process that accepted the connection must be the router's."""
     ports = free_ports(4)
     text = with_env(profile_text(ports, liveness_s=0.3), "alpha", SUPERVISORD_GPU_STANDIN_TOKEN_S="0.25")
     text = with_env(text, "beta", SUPERVISORD_GPU_STANDIN_TOKEN_S="0.25")
@@ -564,7 +565,7 @@ def test_a_stranger_on_the_routers_port_after_its_sigterm_never_gets_the_key(tmp
     assert not any("/workers" in line for line in requests), requests
     assert "not sent, it would carry the control-plane key" in why and "(user nobody)" in why, why
     err = capsys.readouterr().err
-    assert re.search(rf"router: port [^ ]+:{rport} is held by pid \d+ \(user nobody", err), err[-3000:]
+    assert re.search(rf"router: port [^ ]+:{rport} answers from pid \d+ \(user nobody", err), err[-3000:]
 
 
 # --------------------------------------------------------------------------- nothing beyond loopback

@@ -26,6 +26,7 @@ import errno
 import ipaddress
 import socket
 import sys
+import time
 from ..records import dataclass
 from typing import Any
 from collections.abc import Iterable
@@ -198,11 +199,6 @@ class ListenerOwnership:
         """Someone other than our process listens there (seen by PID, or only by its socket's uid)."""
         return bool(self.foreign or self.foreign_uids)
 
-    @property
-    def ours_alone(self) -> bool:
-        """Only our process listens there: what a connection to the port reaches is ours."""
-        return self.ours and not self.strangers
-
     def describe_foreign(self) -> str:
         if self.foreign:
             return " and ".join(h.describe() for h in self.foreign)
@@ -233,6 +229,79 @@ def listener_ownership(host: str, port: int, our_pids: Iterable[int]) -> Listene
     pids = sorted({pid for ps in _pids_of_inodes(set(others)).values() for pid in ps})
     holders = tuple(describe_pid(pid) for pid in pids)
     return ListenerOwnership(bool(mine), holders, () if pids else tuple(sorted(set(others.values()))))
+
+
+#: how often the socket tables are read while a connection waits in a listener's accept queue
+ACCEPT_POLL_S = 0.005
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Who holds the other end of one of our connections (`who_accepted`)."""
+
+    #: one of our processes accepted it
+    ours: bool
+    #: who did instead, in one line ("" when nothing accepted it in time)
+    stranger: str = ""
+
+    def why_not(self) -> str:
+        """Why nothing may be sent on it ("" when it is ours)."""
+        if self.ours:
+            return ""
+        return f"it was accepted by {self.stranger}" if self.stranger else "nothing accepted it in time"
+
+
+def who_accepted(ours: tuple[str, int], theirs: tuple[str, int], our_pids: Iterable[int], wait_s: float) -> Acceptance:
+    """Was the connection from `ours` (our socket's address) to `theirs` (its peer) accepted by
+    one of `our_pids`, and if not, by whom.
+
+    The exact answer to "who am I talking to", for what must reach only our process (a
+    control-plane key, a liveness verdict): not which listeners exist (a stranger may bind the
+    port the moment ours closes, between any check and our connect; and one on ::1 says nothing
+    about who answers a connect to 127.0.0.1), but which process holds the accepted socket of
+    this very connection. Its row in /proc/net/tcp{,6} (local = `theirs`, remote = `ours`) has
+    no inode while it waits in the accept queue: read again until it is accepted or `wait_s`
+    passes (a process that never accepts never answered either).
+    """
+    want_local, want_remote = (_ip(theirs[0]), theirs[1]), (_ip(ours[0]), ours[1])
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = _connection(want_local, want_remote)
+        if found is not None and found[1]:
+            break
+        if time.monotonic() >= deadline:
+            return Acceptance(False)
+        time.sleep(ACCEPT_POLL_S)
+    uid, inode = found
+    if inode in _socket_inodes_of(our_pids):
+        return Acceptance(True)
+    pids = sorted(_pids_of_inodes({inode}).get(inode, ()))
+    if pids:
+        return Acceptance(False, " and ".join(describe_pid(pid).describe() for pid in pids))
+    return Acceptance(False, f"a process of uid {uid} that cannot be seen from here")
+
+
+def _ip(host: str) -> IPAddress:
+    return unmap(ipaddress.ip_address(host.partition("%")[0]))  # getsockname's scope id, if any
+
+
+def _connection(local: tuple[IPAddress, int], remote: tuple[IPAddress, int]) -> tuple[int, int] | None:
+    """(uid, inode) of the TCP socket of this network namespace bound to `local` and connected to `remote`."""
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        try:
+            with open(table) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            laddr, _, lport = fields[1].partition(":")
+            raddr, _, rport = fields[2].partition(":")
+            if int(lport, 16) != local[1] or int(rport, 16) != remote[1]:
+                continue
+            if unmap(_parse_addr(laddr, v6)) == local[0] and unmap(_parse_addr(raddr, v6)) == remote[0]:
+                return int(fields[7]), int(fields[9])
+    return None
 
 
 def _socket_inodes_of(pids: Iterable[int]) -> set[int]:

@@ -4,28 +4,44 @@ Written on asyncio streams rather than a client library: it must never block the
 one connection per probe, and needs nothing beyond the status line. It also says whether
 anything accepted the connection at all: SGLang's port is closed while it loads, so a
 connection during the load means someone else is listening there (see listener ownership in
-ManagedProcess.wait_ready).
+ManagedProcess.wait_ready). After ready, a `peer_check` decides before a byte is sent whether
+the process that accepted this very connection is ours (checks/ports.py, `who_accepted`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from ..records import dataclass
+
+#: (our socket's address, its peer's) -> "" when whoever accepted the connection is ours, else who did
+PeerCheck = Callable[[tuple[str, int], tuple[str, int]], Awaitable[str]]
 
 
 @dataclass(frozen=True)
 class ProbeResult:
     status: int | None  # the HTTP status, or None when there was no HTTP answer
     connected: bool  # something accepted the TCP connection
+    #: the peer check's verdict when it was not ours (nothing was sent, and status is None)
+    stranger: str = ""
 
 
-async def probe(host: str, port: int, path: str, timeout: float, min_workers: int = 0) -> ProbeResult:
+async def _stranger(writer: asyncio.StreamWriter, peer_check: PeerCheck | None) -> str:
+    """"" when there is no check or the connection's other end is ours; else who holds it."""
+    if peer_check is None:
+        return ""
+    ours, theirs = writer.get_extra_info("sockname"), writer.get_extra_info("peername")
+    return await peer_check((ours[0], ours[1]), (theirs[0], theirs[1]))
+
+
+async def probe(host: str, port: int, path: str, timeout: float, min_workers: int = 0,
+                peer_check: PeerCheck | None = None) -> ProbeResult:
     """GET http://host:port/path.
 
     With `min_workers`, a 200 counts only if the JSON body says at least that many healthy
     workers: sglang-router 0.3.2 answers /readiness 200 as soon as *one* worker is healthy.
+    With `peer_check`, nothing is sent unless it says the connection is ours.
     """
     writer = None
     connected = False
@@ -33,6 +49,8 @@ async def probe(host: str, port: int, path: str, timeout: float, min_workers: in
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(host, port)
             connected = True
+            if why := await _stranger(writer, peer_check):
+                return ProbeResult(None, connected, why)
             hostname = f"[{host}]" if ":" in host else host
             writer.write(f"GET {path} HTTP/1.1\r\nHost: {hostname}:{port}\r\nConnection: close\r\n\r\n".encode())
             await writer.drain()
@@ -67,13 +85,15 @@ def _healthy_workers(body: bytes) -> int:
 
 
 async def request(method: str, host: str, port: int, path: str, body: object = None,
-                  timeout: float = 5.0, headers: Mapping[str, str] | None = None) -> tuple[int | None, bytes]:
+                  timeout: float = 5.0, headers: Mapping[str, str] | None = None,
+                  peer_check: PeerCheck | None = None) -> tuple[int | None, bytes]:
     """One HTTP/1.1 request with an optional JSON body; (status, body), status None without an answer.
 
     For the few control calls the engine makes (the router's /workers API, a server's load):
     small bodies, one connection each, never blocking the loop. `headers` (the router's
     `Authorization: Bearer KEY`) must not hold CR or LF: a value that could add a header of its
-    own is refused (ValueError), never sent.
+    own is refused (ValueError), never sent. With `peer_check`, nothing is sent unless it says
+    the process that accepted the connection is ours; otherwise (None, its reason).
     """
     extra = "".join(f"{name}: {value}\r\n" for name, value in _safe(headers or {}))
     writer = None
@@ -81,6 +101,8 @@ async def request(method: str, host: str, port: int, path: str, body: object = N
     try:
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(host, port)
+            if why := await _stranger(writer, peer_check):
+                return None, why.encode()
             hostname = f"[{host}]" if ":" in host else host
             head = (f"{method} {path} HTTP/1.1\r\nHost: {hostname}:{port}\r\nConnection: close\r\n"
                     f"Content-Length: {len(payload)}\r\n" + ("Content-Type: application/json\r\n" if body is not None else "")

@@ -15,7 +15,7 @@ import time
 from ..records import dataclass, field
 from collections.abc import Callable, Mapping
 
-from ..checks.ports import ListenerOwnership, check_ports, listener_ownership
+from ..checks.ports import ListenerOwnership, check_ports, listener_ownership, who_accepted
 from ..config.render import Launch
 from ..errors import StartError
 from ..ownership.base import OwnershipDriver, Spawned, SpawnRequest
@@ -133,6 +133,8 @@ class ManagedProcess:
         self.expected_workers = len(self.spec.workers) + len(self.spec.prefill) + len(self.spec.decode)
         #: called with this process when it exits on its own while ready or restarting
         self.on_unexpected_exit: Callable[[ManagedProcess], None] | None = None
+        #: after ready: who accepted our last liveness connection instead of us ("" when we did)
+        self._stranger = ""
 
     # ------------------------------------------------------------------ state
 
@@ -333,30 +335,28 @@ class ManagedProcess:
         return self.spawned.group.pids() if self.spawned is not None else []
 
     def router_api(self) -> RouterWorkers:
-        """This router's worker API, with the instance's key, called only while this process
-        alone listens on its port (engine/traffic.py)."""
+        """This router's worker API, with the instance's key, sent only on connections this
+        process accepted (engine/traffic.py)."""
         return RouterWorkers.of(self.launch, self._pids)
 
-    async def _answer_if_ours(self, status: int | None, stranger: str) -> tuple[int | None, str]:
-        """After ready: a liveness answer counts only if it came from our own listener.
+    async def _accepted_by_us(self, ours: tuple[str, int], theirs: tuple[str, int]) -> str:
+        """After ready, before each liveness probe is sent: "" when a process of its own cgroup
+        accepted the probe's connection, else why it is no answer.
 
         The real router closes its port at once on SIGTERM and drains for up to 180 s; a server
         whose front end stopped listening lives on too. Whoever binds the port then (a process
         of the same user can send that SIGTERM) would answer 200 for a process that serves
-        nobody, and get the router's key with our next worker call. A stranger's answer is no
-        answer (the cgroup is killed after `failures` of them), named in the journal once.
-        Returns (the status to count, the stranger last named)."""
-        if status is None:
-            return None, stranger
-        own = await self._listeners()
-        if own.ours_alone:
-            return status, ""
-        who = own.describe_foreign() if own.strangers else "nobody (its listener is closed)"
-        if who != stranger:
-            self.sink.event(f"{self.name}: port {self.spec.host}:{self.spec.port} is held by {who}, not by "
-                            f"{self.name}; its answers do not count, and nothing with the control-plane key "
-                            "goes to it", 3, GPUSUP_PROCESS=self.name, GPUSUP_EVENT="port-stranger")
-        return None, who
+        nobody. A stranger's answer is no answer (`failures` of them kill the cgroup, and the
+        restart names the holder), said once in the journal. Only this connection's other end
+        counts: a stranger on [::1] while we serve 127.0.0.1 answers none of our probes and
+        changes nothing."""
+        accepted = await asyncio.to_thread(who_accepted, ours, theirs, self._pids(), self.spec.probe.liveness_timeout_s)
+        if accepted.stranger and accepted.stranger != self._stranger:
+            self.sink.event(f"{self.name}: port {self.spec.host}:{self.spec.port} answers from {accepted.stranger}, "
+                            f"not from {self.name}; its answers do not count", 3,
+                            GPUSUP_PROCESS=self.name, GPUSUP_EVENT="port-stranger")
+        self._stranger = accepted.stranger
+        return accepted.why_not()
 
     async def wait_ready(self) -> None:
         """Probe until 200 from our own listener, the deadline, or the process's death; raises StartError
@@ -463,14 +463,14 @@ class ManagedProcess:
         async def ask_scheduler() -> None:
             assert cfg.scheduler_path is not None
             status, _ = await request("GET", spec.probe_host, spec.port, cfg.scheduler_path,
-                                      timeout=cfg.scheduler_timeout_s)
+                                      timeout=cfg.scheduler_timeout_s, peer_check=self._accepted_by_us)
             # 401/403: the server wants an API key (--api-key); the scheduler cannot be asked,
-            # and only its CPU time speaks for it. A stranger's 200 speaks for nobody.
-            if status == 200 and (await self._listeners()).ours_alone:
+            # and only its CPU time speaks for it
+            if status == 200:
                 watch.scheduler_answered(time.monotonic())
 
         ran = RanSince(self.spawned.pid if self.spawned else 0)
-        stranger = ""  # who answered on our port last tick instead of us ("" when we did)
+        self._stranger = ""
 
         try:
             while True:
@@ -483,8 +483,8 @@ class ManagedProcess:
                         watch.scheduler_answered(time.monotonic())
                     if asking is None or asking.done():
                         asking = asyncio.ensure_future(ask_scheduler())
-                status = (await probe(spec.probe_host, spec.port, cfg.liveness_path, cfg.liveness_timeout_s)).status
-                status, stranger = await self._answer_if_ours(status, stranger)
+                status = (await probe(spec.probe_host, spec.port, cfg.liveness_path, cfg.liveness_timeout_s,
+                                      peer_check=self._accepted_by_us)).status
                 verdict = watch.front(status, time.monotonic())
                 if spec.kind == "router" and status == 200:
                     # a worker nobody in the profile named gets users' prompts: named and removed

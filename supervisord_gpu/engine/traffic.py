@@ -14,7 +14,8 @@ profile names: anyone else's is named in the journal at error priority and remov
 goes only to a listener held by the router's own cgroup: after a SIGTERM the real router
 closes its port at once and lives on while requests drain (up to 180 s), and a process of its
 own user (the servers' model code) can send that signal and bind the port; the key would
-otherwise be handed to it at the next call.
+otherwise be handed to it at the next call. So the key is written only into a connection that
+a process of the router's own cgroup accepted (checks/ports.py, `who_accepted`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from ..checks.ports import listener_ownership
+from ..checks.ports import who_accepted
 from ..config.model import ProcessSpec
 from ..config.render import Launch
 from ..errors import one_line
@@ -38,6 +39,7 @@ from ..sglang.router_key import RouterKeyError, auth_header, read_key
 
 POLL_S = 0.1
 API_TIMEOUT_S = 5.0
+ACCEPT_WAIT_S = 2.0  # the router accepts at once; one that does not in this long does not answer either
 FOREIGN_REMOVAL_TIMEOUT_S = 5.0  # the router drops a DELETEd worker from its list in milliseconds
 
 _METRIC = re.compile(r"^sglang:(num_running_reqs|num_queue_reqs)(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
@@ -72,9 +74,9 @@ class RouterWorkers:
 
     The key file is read on every call (sglang/router_key.py checks it each time), so a call
     made before the router's first start, or with the file tampered with, fails with a reason
-    rather than going out without the header. Before each call the router's port is looked
-    up (`listener_ownership`): the call goes out only while the router's own processes
-    (`router_pids`, its cgroup now) listen there and nobody else does.
+    rather than going out without the header. Each call is written only after the process
+    that accepted its connection is found among the router's own (`router_pids`, its cgroup
+    now): whoever else holds the other end gets nothing, and is named.
     """
 
     def __init__(self, router: ProcessSpec, router_pids: Callable[[], Iterable[int]],
@@ -98,20 +100,16 @@ class RouterWorkers:
             headers = auth_header(read_key(self.key_file)) if self.key_file is not None else {}
         except RouterKeyError as e:
             return None, str(e).encode()
-        if why := await self._not_the_router():
-            return None, why.encode()
-        return await request(method, self.host, self.port, path, body, timeout=API_TIMEOUT_S, headers=headers)
+        return await request(method, self.host, self.port, path, body, timeout=API_TIMEOUT_S, headers=headers,
+                             peer_check=self._accepted_by_the_router)
 
-    async def _not_the_router(self) -> str:
-        """"" while only the router's own processes listen on its port, else who does instead."""
-        own = await asyncio.to_thread(listener_ownership, self.host, self.port, list(self.router_pids()))
-        where = f"{self.host}:{self.port}"
-        if own.strangers:
-            return (f"not sent, it would carry the control-plane key: {where} is held by "
-                    f"{own.describe_foreign()}, not by {self.router.name}")
-        if not own.ours:
-            return f"not sent: {self.router.name} is not listening on {where}"
-        return ""
+    async def _accepted_by_the_router(self, ours: tuple[str, int], theirs: tuple[str, int]) -> str:
+        """"" when the router's own process accepted this connection, else why nothing is sent on it."""
+        accepted = await asyncio.to_thread(who_accepted, ours, theirs, list(self.router_pids()), ACCEPT_WAIT_S)
+        if accepted.ours:
+            return ""
+        return (f"not sent, it would carry the control-plane key: on {self.host}:{self.port} "
+                f"{accepted.why_not()}, not by {self.router.name}")
 
     async def workers(self) -> list[dict[str, Any]] | None:
         return (await self._list())[0]
