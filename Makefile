@@ -9,8 +9,8 @@ PROFILE ?= pd-1p1d
 APT_PKGS = python3-venv python3-gi dbus libglib2.0-bin
 TEST_APT_PKGS = systemd-container debootstrap dbus prometheus etcd-server openssl
 # Debian starts and enables the daemons it installs (etcd on 2379, prometheus on 9090, its node
-# exporter on 9100): the tests start their own, on addresses they own, so the host gets none.
-TEST_SERVICES = etcd.service prometheus.service prometheus-node-exporter.service
+# exporter on 9100, and what their Recommends bring): the tests start their own, on addresses
+# they own, so the host gets none (tests/rig/install_quietly.sh).
 STAMP   = $(VENV)/.installed
 
 .PHONY: rehearse rehearse-cluster test check setup test-setup lint bench deb clean
@@ -26,13 +26,7 @@ setup: $(STAMP)
 
 test-setup: $(STAMP)
 	@if [ "$$(id -u)" = 0 ] && ! dpkg -s $(TEST_APT_PKGS) >/dev/null 2>&1; then \
-	    ours=; if [ ! -e /usr/sbin/policy-rc.d ]; then ours=1; \
-	        printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d; fi; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(TEST_APT_PKGS) >/dev/null; \
-	    rc=$$?; [ -z "$$ours" ] || rm -f /usr/sbin/policy-rc.d; \
-	    if [ -d /run/systemd/system ]; then systemctl disable --now $(TEST_SERVICES) >/dev/null 2>&1 || true; \
-	    else for s in $(TEST_SERVICES); do deb-systemd-helper disable $$s >/dev/null 2>&1 || true; done; fi; \
-	    exit $$rc; fi
+	    sh tests/rig/install_quietly.sh $(TEST_APT_PKGS); fi
 
 # The shipped profiles run as the package's unprivileged user (what the .deb's postinst creates).
 SERVER_USER = sglang

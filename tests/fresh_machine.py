@@ -8,11 +8,15 @@ TLS trust anchors as this host has them (give_network_trust: pip's index is reac
 network whose certificates only its machines trust), copies only the source
 tree to /root/supervisord-gpu, and runs the README's rehearsal command there as root, as
 written. Prints what it printed and the time; writes bench/results/fresh-debian-root.json.
-With `test`, it then checks what the done-when of "first hour" asks of that machine: no service
-of the test set-up (the Makefile's TEST_SERVICES) left running or enabled, nothing listening on
-their ports; bench/results/fresh-debian-root-test.json. The container is given root's whole
-capability set, as a real machine's root has (nspawn's default drops CAP_NET_ADMIN on the host's
-network, and the suite's own containers could then not bring their loopback up).
+With `test`, it then checks what the done-when of "first hour" asks of that machine: no unit
+enabled or running afterwards that was not before (the installed packages' own, and those their
+Recommends brought: etcd, prometheus, its node exporter and collectors' timers, smartd, ...),
+nothing listening on etcd's and prometheus' ports; bench/results/fresh-debian-root-test.json.
+With `test-setup`, only the test set-up (`sh make.sh test-setup`: the packages and the virtual
+environment) and the same check, in a few minutes; bench/results/fresh-debian-root-test-setup.json.
+The container is given root's whole capability set, as a real machine's root has (nspawn's
+default drops CAP_NET_ADMIN on the host's network, and the suite's own containers could then not
+bring their loopback up).
 Minutes (it installs the venv from the package index). Not part of `make test`: run by hand,
 `python3 tests/fresh_machine.py`, after `make test` has built the rig.
 """
@@ -87,29 +91,29 @@ def give_network_trust(ctr: SystemdContainer) -> Path:
     return bundle
 
 
-def services_of_the_test_setup() -> list[str]:
-    """The services the test set-up's packages bring (the Makefile's TEST_SERVICES, read, not copied)."""
-    for line in (REPO / "Makefile").read_text().splitlines():
-        if line.startswith("TEST_SERVICES"):
-            return line.split("=", 1)[1].split()
-    raise SystemExit("fresh_machine: the Makefile names no TEST_SERVICES")
-
-
 SERVICE_PORTS = (2379, 2380, 9090, 9100)  # etcd's client and peer ports, prometheus, node-exporter
 
 
-def services_left(ctr: SystemdContainer) -> dict[str, object]:
-    """What the test set-up left on the machine: each service's state, and listeners on their ports."""
-    states = {}
-    for unit in services_of_the_test_setup():
-        active = ctr.run(["systemctl", "is-active", unit], check=False).stdout.strip()
-        enabled = ctr.run(["systemctl", "is-enabled", unit], check=False).stdout.strip()
-        states[unit] = {"active": active, "enabled": enabled}
+def units_now(ctr: SystemdContainer) -> dict[str, set[str]]:
+    """The machine's enabled unit files, and its running services, sockets and timers."""
+    enabled = ctr.run(["systemctl", "list-unit-files", "--state=enabled,enabled-runtime", "--no-legend", "--plain"],
+                      check=False).stdout
+    active = ctr.run(["systemctl", "list-units", "--state=active", "--type=service,socket,timer", "--no-legend",
+                      "--plain"], check=False).stdout
+    return {"enabled": {line.split()[0] for line in enabled.splitlines() if line.strip()},
+            "active": {line.split()[0] for line in active.splitlines() if line.strip()}}
+
+
+def units_left(ctr: SystemdContainer, before: dict[str, set[str]]) -> dict[str, object]:
+    """What the run left on the machine that it did not have before: units enabled, units running
+    (services, sockets, timers), and listeners on etcd's and prometheus' ports."""
+    now = units_now(ctr)
+    enabled = sorted(now["enabled"] - before["enabled"])
+    active = sorted(now["active"] - before["active"])
     listening = [line.split()[3] for line in ctr.run(["ss", "-Hltn"]).stdout.splitlines()
                  if line.split()[3].rsplit(":", 1)[-1] in {str(p) for p in SERVICE_PORTS}]
-    clean = all(st["active"] != "active" and st["enabled"] not in ("enabled", "enabled-runtime")
-                for st in states.values()) and not listening
-    return {"services": states, "listening": listening, "clean": clean}
+    return {"enabled_since": enabled, "running_since": active, "listening": listening,
+            "clean": not enabled and not active and not listening}
 
 
 def pytest_summaries(out: str) -> list[str]:
@@ -120,8 +124,8 @@ def pytest_summaries(out: str) -> list[str]:
 def main() -> int:
     """`sh make.sh rehearse` (the default) or, with the argument `test`, `sh make.sh test`."""
     command = sys.argv[1] if len(sys.argv) > 1 else "rehearse"
-    if command not in ("rehearse", "test"):
-        raise SystemExit("usage: python3 tests/fresh_machine.py [rehearse|test]")
+    if command not in ("rehearse", "test", "test-setup"):
+        raise SystemExit("usage: python3 tests/fresh_machine.py [rehearse|test|test-setup]")
     # root's whole capability set, as on a real machine (nspawn's default drops CAP_NET_ADMIN
     # on the host's network, and the suite's own containers then had their loopback down)
     with SystemdContainer(binds=[], host_network=True, capabilities=["all"]) as ctr:
@@ -134,6 +138,7 @@ def main() -> int:
         print(f"fresh Debian 12: make {'present' if had['make'] else 'absent'}, git {'present' if had['git'] else 'absent'}, "
               f"python3 {'present' if had['python3'] else 'absent'}; /root mode {mode}; source in {TREE}; "
               f"the network's trust from the host's {bundle} (pip: /etc/pip.conf)", flush=True)
+        units_before = units_now(ctr)
         began = time.monotonic()
         argv = ["sh", "make.sh", command]
         if command == "test":
@@ -147,9 +152,9 @@ def main() -> int:
         log = Path(os.environ.get("TMPDIR", "/tmp")) / f"fresh-machine-{command}.log"
         log.write_text(r.stdout + "\n--- stderr\n" + r.stderr)
         print(r.stdout[-6000:], r.stderr[-3000:], f"(the whole output: {log})", sep="\n")
-        done = "verified after stop" in r.stdout if command == "rehearse" else " passed" in r.stdout
+        done = {"rehearse": "verified after stop" in r.stdout, "test": " passed" in r.stdout}.get(command, True)
         ok = r.returncode == 0 and done
-        left = services_left(ctr) if command == "test" else None
+        left = units_left(ctr, units_before) if command != "rehearse" else None
         if left is not None:
             print(f"after the run: {json.dumps(left)}")
             ok = ok and bool(left["clean"])
@@ -157,14 +162,14 @@ def main() -> int:
             "what": f"sh make.sh {command}, as root, in /root/supervisord-gpu of a fresh Debian 12 (systemd booted)",
             "date": time.strftime("%Y-%m-%d"),
             "before": had, "root_mode": mode, "exit": r.returncode, "seconds": round(took, 1),
-            "verified_after_stop" if command == "rehearse" else "summary": (
-                "verified after stop" in r.stdout if command == "rehearse" else
-                pytest_summaries(r.stdout)),
+            **({"verified_after_stop": "verified after stop" in r.stdout} if command == "rehearse" else {}),
+            **({"summary": pytest_summaries(r.stdout)} if command == "test" else {}),
             **({"not_passed": re.findall(r"^(?:FAILED|ERROR) (\S+)", r.stdout, re.M)} if command == "test" else {}),
             "passed_through": re.search(r"passed through (?:for .* )?in a mount namespace", r.stdout + r.stderr) is not None,
             **({"left_on_the_machine": left} if left is not None else {}),
         }
-        out = REPO / "bench" / "results" / ("fresh-debian-root.json" if command == "rehearse" else "fresh-debian-root-test.json")
+        out = REPO / "bench" / "results" / ("fresh-debian-root.json" if command == "rehearse"
+                                             else f"fresh-debian-root-{command}.json")
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"{'PASS' if ok else 'FAIL'}: exit {r.returncode} after {took:.0f} s ({out})")
         return 0 if ok else 1

@@ -1,0 +1,48 @@
+#!/bin/sh
+# Install Debian packages for the tests, and leave the host with no service of theirs running
+# or enabled (issue #26): the tests start their own etcd and prometheus, on addresses they own.
+#
+#   sh tests/rig/install_quietly.sh PACKAGE...        (as root; the Makefile's test-setup)
+#
+# Debian enables the units a package ships in its postinst (and starts them, unless
+# policy-rc.d says no); the packages' Recommends bring more (prometheus -> node exporter and
+# its collectors -> smartmontools, nvme-cli, their timers). So the unit links under
+# /etc/systemd/system are listed before and after, and every unit that got a link it did not
+# have is disabled (stopped too where systemd runs): only what this install enabled, never
+# what the machine had before. `systemctl disable` works without a running systemd as well
+# (deb-systemd-helper refuses outside dpkg, which left them enabled on such a host).
+set -u
+[ "$#" -gt 0 ] || { echo "usage: sh tests/rig/install_quietly.sh PACKAGE..." >&2; exit 2; }
+units=/etc/systemd/system
+before=$(mktemp)
+after=$(mktemp)
+trap 'rm -f "$before" "$after"' EXIT
+find "$units" -type l 2>/dev/null | sort >"$before"
+
+ours=
+if [ ! -e /usr/sbin/policy-rc.d ]; then  # an existing one is the machine's: left as it is
+    ours=1
+    printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+    chmod 755 /usr/sbin/policy-rc.d
+fi
+apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+rc=$?
+[ -z "$ours" ] || rm -f /usr/sbin/policy-rc.d
+
+find "$units" -type l 2>/dev/null | sort >"$after"
+# a link in a .wants/.requires directory is named after its unit; any other (an alias such as
+# etcd2.service or smartd.service) points at it
+enabled=$(comm -13 "$before" "$after" | while read -r link; do
+    case "$link" in
+        */*.wants/*|*/*.requires/*) basename "$link" ;;
+        *) basename "$(readlink "$link")" ;;
+    esac
+done | sort -u)
+now=
+[ -d /run/systemd/system ] && now=--now
+for unit in $enabled; do  # one at a time: a name systemctl does not know must not keep the others enabled
+    systemctl disable $now "$unit" >/dev/null 2>&1 || echo "install_quietly: could not disable $unit" >&2
+done
+left=$(find "$units" -type l 2>/dev/null | sort | comm -13 "$before" -)
+[ -z "$left" ] || echo "install_quietly: links this install made that are still there:" $left >&2
+exit "$rc"
