@@ -11,23 +11,28 @@
 # have is disabled (stopped too where systemd runs): only what this install enabled, never
 # what the machine had before. `systemctl disable` works without a running systemd as well
 # (deb-systemd-helper refuses outside dpkg, which left them enabled on such a host).
+# INSTALL_ROOT and APT_GET are for its own test (tests/test_install_quietly.py): another root
+# directory (systemctl --root) and an apt-get that only does what a postinst does.
 set -u
 [ "$#" -gt 0 ] || { echo "usage: sh tests/rig/install_quietly.sh PACKAGE..." >&2; exit 2; }
-units=/etc/systemd/system
+root=${INSTALL_ROOT:-}
+apt=${APT_GET:-apt-get}
+units=$root/etc/systemd/system
+policy=$root/usr/sbin/policy-rc.d
 before=$(mktemp)
 after=$(mktemp)
 trap 'rm -f "$before" "$after"' EXIT
 find "$units" -type l 2>/dev/null | sort >"$before"
 
 ours=
-if [ ! -e /usr/sbin/policy-rc.d ]; then  # an existing one is the machine's: left as it is
+if [ ! -e "$policy" ]; then  # an existing one is the machine's: left as it is
     ours=1
-    printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
-    chmod 755 /usr/sbin/policy-rc.d
+    printf '#!/bin/sh\nexit 101\n' >"$policy"
+    chmod 755 "$policy"
 fi
-apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+"$apt" update -qq && DEBIAN_FRONTEND=noninteractive "$apt" install -y -qq "$@" >/dev/null
 rc=$?
-[ -z "$ours" ] || rm -f /usr/sbin/policy-rc.d
+[ -z "$ours" ] || rm -f "$policy"
 
 find "$units" -type l 2>/dev/null | sort >"$after"
 # a link in a .wants/.requires directory is named after its unit; any other (an alias such as
@@ -38,10 +43,11 @@ enabled=$(comm -13 "$before" "$after" | while read -r link; do
         *) basename "$(readlink "$link")" ;;
     esac
 done | sort -u)
-now=
-[ -d /run/systemd/system ] && now=--now
+how=--now
+[ -d /run/systemd/system ] || how=--no-reload  # no systemd running: the links alone
+[ -z "$root" ] || how=--root=$root
 for unit in $enabled; do  # one at a time: a name systemctl does not know must not keep the others enabled
-    systemctl disable $now "$unit" >/dev/null 2>&1 || echo "install_quietly: could not disable $unit" >&2
+    systemctl disable "$how" "$unit" >/dev/null 2>&1 || echo "install_quietly: could not disable $unit" >&2
 done
 left=$(find "$units" -type l 2>/dev/null | sort | comm -13 "$before" -)
 [ -z "$left" ] || echo "install_quietly: links this install made that are still there:" $left >&2

@@ -1,0 +1,89 @@
+"""The test set-up's install (tests/rig/install_quietly.sh) leaves no unit enabled that it enabled (#26).
+
+Debian's postinsts enable what a package ships, and the packages' Recommends bring more units
+than any list names; on a host without systemd as PID 1 (CI's) deb-systemd-helper refused to
+disable them outside dpkg, so etcd and prometheus stayed enabled. Here the script runs against
+a root directory of its own (`systemctl --root`, the real systemctl) with an apt-get that does
+only what those postinsts do: enable each package's unit, alias included. What the machine had
+enabled before must stay so; policy-rc.d forbids starts during the install only.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "tests" / "rig" / "install_quietly.sh"
+
+pytestmark = pytest.mark.skipif(shutil.which("systemctl") is None, reason="needs systemctl (offline use only)")
+
+#: apt-get as the postinsts of the packages named behave: each ships NAME.service, wanted by
+#: multi-user.target with an alias, and enables it; it notes whether policy-rc.d was in place
+FAKE_APT = """#!/bin/sh
+[ "$1" = update ] && exit 0
+[ -e "$INSTALL_ROOT/usr/sbin/policy-rc.d" ] && echo present > "$INSTALL_ROOT/policy-during-install"
+for pkg in "$@"; do
+    case "$pkg" in install|-*) continue ;; esac
+    printf '[Service]\\nExecStart=/bin/true\\n[Install]\\nWantedBy=multi-user.target\\nAlias=%s-alias.service\\n' "$pkg" \\
+        > "$INSTALL_ROOT/lib/systemd/system/$pkg.service"
+    systemctl --root="$INSTALL_ROOT" enable "$pkg.service" >/dev/null 2>&1 || exit 100
+done
+"""
+
+
+def machine(tmp_path: Path) -> Path:
+    """A root directory with one unit the machine had enabled before the install."""
+    root = tmp_path / "root"
+    for d in ("lib/systemd/system", "etc/systemd/system", "usr/sbin"):
+        (root / d).mkdir(parents=True)
+    (root / "lib/systemd/system/theirs.service").write_text(
+        "[Service]\nExecStart=/bin/true\n[Install]\nWantedBy=multi-user.target\n")
+    subprocess.run(["systemctl", f"--root={root}", "enable", "theirs.service"], check=True, capture_output=True)
+    return root
+
+
+def install(tmp_path: Path, root: Path, *packages: str, apt_text: str = FAKE_APT) -> subprocess.CompletedProcess[str]:
+    apt = tmp_path / "apt-get"
+    apt.write_text(apt_text)
+    apt.chmod(0o755)
+    env = {**os.environ, "INSTALL_ROOT": str(root), "APT_GET": str(apt)}
+    return subprocess.run(["sh", str(SCRIPT), *packages], env=env, capture_output=True, text=True, timeout=60)
+
+
+def links(root: Path) -> set[str]:
+    units = root / "etc/systemd/system"
+    return {str(p.relative_to(units)) for p in units.rglob("*") if p.is_symlink()}
+
+
+def test_every_unit_the_install_enabled_is_disabled_and_the_machines_own_stay(tmp_path: Path) -> None:
+    root = machine(tmp_path)
+    had = links(root)
+    done = install(tmp_path, root, "etcd-server", "prometheus")
+    assert done.returncode == 0, done.stderr
+    assert (root / "policy-during-install").read_text() == "present\n"  # no starts while installing
+    assert not (root / "usr/sbin/policy-rc.d").exists()  # and ours is gone again
+    assert links(root) == had == {"multi-user.target.wants/theirs.service"}, done.stderr
+    assert (root / "lib/systemd/system/etcd-server.service").exists()  # installed, only not enabled
+
+
+def test_a_policy_rc_d_the_machine_had_is_left_as_it_was(tmp_path: Path) -> None:
+    root = machine(tmp_path)
+    theirs = root / "usr/sbin/policy-rc.d"
+    theirs.write_text("#!/bin/sh\nexit 0\n")
+    done = install(tmp_path, root, "etcd-server")
+    assert done.returncode == 0, done.stderr
+    assert theirs.read_text() == "#!/bin/sh\nexit 0\n"
+    assert links(root) == {"multi-user.target.wants/theirs.service"}
+
+
+def test_a_failed_install_is_its_exit_status_and_still_leaves_nothing_enabled(tmp_path: Path) -> None:
+    """dpkg failing after a postinst enabled its unit (a later package's error)."""
+    root = machine(tmp_path)
+    done = install(tmp_path, root, "prometheus", apt_text=FAKE_APT + "exit 100\n")
+    assert done.returncode == 100, done.stderr
+    assert links(root) == {"multi-user.target.wants/theirs.service"}, done.stderr
