@@ -267,14 +267,13 @@ def test_only_a_cgroup_where_only_root_can_put_it_counts_as_ours(path, owner) ->
     assert owner_of_cgroup(path) == owner
 
 
-def test_who_accepted_names_whoever_holds_this_connections_other_end(listen) -> None:  # type: ignore[no-untyped-def]
+def test_accepted_by_names_whoever_holds_this_connections_other_end(listen) -> None:  # type: ignore[no-untyped-def]
     """The check before a key or a liveness verdict: which process accepted *this* connection."""
-    from supervisord_gpu.checks.ports import who_accepted
+    from supervisord_gpu.checks.ports import accepted_by
 
     hog = listen("127.0.0.1", 0)  # listens, never accepts: the connection waits in its queue
     with socket.create_connection(("127.0.0.1", hog.port)) as c:
-        waiting = who_accepted(c.getsockname(), c.getpeername(), hog.pids, 0.2)
-    assert not waiting.ours and waiting.stranger == "" and waiting.why_not() == "nothing accepted it in time"
+        assert accepted_by(c.getsockname(), c.getpeername(), hog.pids) is None
 
     families = [("127.0.0.1", socket.AF_INET, "127.0.0.1")]
     if ipv6_available():  # a dual-stack listener: the accepted socket is in tcp6 as ::ffff:127.0.0.1
@@ -286,8 +285,8 @@ def test_who_accepted_names_whoever_holds_this_connections_other_end(listen) -> 
             with socket.create_connection((connect, server.getsockname()[1])) as c:
                 accepted, _ = server.accept()
                 with accepted:
-                    ours = who_accepted(c.getsockname(), c.getpeername(), [os.getpid()], 1)
-                    theirs = who_accepted(c.getsockname(), c.getpeername(), hog.pids, 1)
-        assert ours.ours and ours.why_not() == "", (bind, ours)
-        assert not theirs.ours and theirs.stranger.startswith(f"pid {os.getpid()} "), (bind, theirs)
+                    ours = accepted_by(c.getsockname(), c.getpeername(), [os.getpid()])
+                    theirs = accepted_by(c.getsockname(), c.getpeername(), hog.pids)
+        assert ours is not None and ours.ours and ours.why_not() == "", (bind, ours)
+        assert theirs is not None and not theirs.ours and theirs.stranger.startswith(f"pid {os.getpid()} "), theirs
         assert theirs.why_not().startswith("it was accepted by pid")

@@ -26,7 +26,6 @@ import errno
 import ipaddress
 import socket
 import sys
-import time
 from ..records import dataclass
 from typing import Any
 from collections.abc import Iterable
@@ -231,13 +230,9 @@ def listener_ownership(host: str, port: int, our_pids: Iterable[int]) -> Listene
     return ListenerOwnership(bool(mine), holders, () if pids else tuple(sorted(set(others.values()))))
 
 
-#: how often the socket tables are read while a connection waits in a listener's accept queue
-ACCEPT_POLL_S = 0.005
-
-
 @dataclass(frozen=True)
 class Acceptance:
-    """Who holds the other end of one of our connections (`who_accepted`)."""
+    """Who holds the other end of one of our connections (`accepted_by`)."""
 
     #: one of our processes accepted it
     ours: bool
@@ -251,27 +246,21 @@ class Acceptance:
         return f"it was accepted by {self.stranger}" if self.stranger else "nothing accepted it in time"
 
 
-def who_accepted(ours: tuple[str, int], theirs: tuple[str, int], our_pids: Iterable[int], wait_s: float) -> Acceptance:
+def accepted_by(ours: tuple[str, int], theirs: tuple[str, int], our_pids: Iterable[int]) -> Acceptance | None:
     """Was the connection from `ours` (our socket's address) to `theirs` (its peer) accepted by
-    one of `our_pids`, and if not, by whom.
+    one of `our_pids`, and if not, by whom; None while nobody has accepted it yet.
 
     The exact answer to "who am I talking to", for what must reach only our process (a
     control-plane key, a liveness verdict): not which listeners exist (a stranger may bind the
     port the moment ours closes, between any check and our connect; and one on ::1 says nothing
     about who answers a connect to 127.0.0.1), but which process holds the accepted socket of
-    this very connection. Its row in /proc/net/tcp{,6} (local = `theirs`, remote = `ours`) has
-    no inode while it waits in the accept queue: read again until it is accepted or `wait_s`
-    passes (a process that never accepts never answered either).
+    this very connection: its row in /proc/net/tcp{,6} (local = `theirs`, remote = `ours`),
+    which has no inode while it waits in the accept queue (the caller asks again: see
+    engine/probe.py, `who_accepted`).
     """
-    want_local, want_remote = (_ip(theirs[0]), theirs[1]), (_ip(ours[0]), ours[1])
-    deadline = time.monotonic() + wait_s
-    while True:
-        found = _connection(want_local, want_remote)
-        if found is not None and found[1]:
-            break
-        if time.monotonic() >= deadline:
-            return Acceptance(False)
-        time.sleep(ACCEPT_POLL_S)
+    found = _connection((_ip(theirs[0]), theirs[1]), (_ip(ours[0]), ours[1]))
+    if found is None or not found[1]:
+        return None
     uid, inode = found
     if inode in _socket_inodes_of(our_pids):
         return Acceptance(True)

@@ -5,15 +5,23 @@ one connection per probe, and needs nothing beyond the status line. It also says
 anything accepted the connection at all: SGLang's port is closed while it loads, so a
 connection during the load means someone else is listening there (see listener ownership in
 ManagedProcess.wait_ready). After ready, a `peer_check` decides before a byte is sent whether
-the process that accepted this very connection is ours (checks/ports.py, `who_accepted`).
+the process that accepted this very connection is ours (`who_accepted`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+
+from ..checks.ports import Acceptance, accepted_by
 from ..records import dataclass
+
+#: the first look at the socket tables after connecting, and the longest pause between looks
+#: while the connection waits in an accept queue (a live server accepts within a millisecond;
+#: a hung one is looked at some tens of times over its whole timeout, not thousands)
+ACCEPT_FIRST_S, ACCEPT_MAX_S = 0.001, 0.1
 
 #: (our socket's address, its peer's) -> "" when whoever accepted the connection is ours, else who did
 PeerCheck = Callable[[tuple[str, int], tuple[str, int]], Awaitable[str]]
@@ -25,6 +33,23 @@ class ProbeResult:
     connected: bool  # something accepted the TCP connection
     #: the peer check's verdict when it was not ours (nothing was sent, and status is None)
     stranger: str = ""
+
+
+async def who_accepted(ours: tuple[str, int], theirs: tuple[str, int], our_pids: Callable[[], Iterable[int]],
+                       wait_s: float) -> Acceptance:
+    """checks/ports.py's `accepted_by`, asked again (backing off, on the loop: no executor thread
+    waits) until the connection is accepted or `wait_s` passes: a process that never accepts
+    it never answers on it either."""
+    deadline = time.monotonic() + wait_s
+    pause = ACCEPT_FIRST_S
+    while True:
+        found = await asyncio.to_thread(lambda: accepted_by(ours, theirs, list(our_pids())))
+        if found is not None:
+            return found
+        if time.monotonic() >= deadline:
+            return Acceptance(False)
+        await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(pause * 2, ACCEPT_MAX_S)
 
 
 async def _stranger(writer: asyncio.StreamWriter, peer_check: PeerCheck | None) -> str:

@@ -15,7 +15,7 @@ import time
 from ..records import dataclass, field
 from collections.abc import Callable, Mapping
 
-from ..checks.ports import ListenerOwnership, check_ports, listener_ownership, who_accepted
+from ..checks.ports import ListenerOwnership, check_ports, listener_ownership
 from ..config.render import Launch
 from ..errors import StartError
 from ..ownership.base import OwnershipDriver, Spawned, SpawnRequest
@@ -27,7 +27,7 @@ from .deadline import StartDeadline
 from .events import Event, LogSink
 from .liveness import LivenessWatch
 from .output import OutputSplitter
-from .probe import ProbeResult, probe, request
+from .probe import ProbeResult, probe, request, who_accepted
 from .traffic import RouterWorkers
 from .states import State
 
@@ -350,7 +350,7 @@ class ManagedProcess:
         restart names the holder), said once in the journal. Only this connection's other end
         counts: a stranger on [::1] while we serve 127.0.0.1 answers none of our probes and
         changes nothing."""
-        accepted = await asyncio.to_thread(who_accepted, ours, theirs, self._pids(), self.spec.probe.liveness_timeout_s)
+        accepted = await who_accepted(ours, theirs, self._pids, self.spec.probe.liveness_timeout_s)
         if accepted.stranger and accepted.stranger != self._stranger:
             self.sink.event(f"{self.name}: port {self.spec.host}:{self.spec.port} answers from {accepted.stranger}, "
                             f"not from {self.name}; its answers do not count", 3,

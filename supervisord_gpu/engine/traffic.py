@@ -28,13 +28,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from ..checks.ports import who_accepted
 from ..config.model import ProcessSpec
 from ..config.render import Launch
 from ..errors import one_line
 from ..records import dataclass
 from .events import LogSink
-from .probe import request
+from .probe import request, who_accepted
 from ..sglang.router_key import RouterKeyError, auth_header, read_key
 
 POLL_S = 0.1
@@ -105,7 +104,7 @@ class RouterWorkers:
 
     async def _accepted_by_the_router(self, ours: tuple[str, int], theirs: tuple[str, int]) -> str:
         """"" when the router's own process accepted this connection, else why nothing is sent on it."""
-        accepted = await asyncio.to_thread(who_accepted, ours, theirs, list(self.router_pids()), ACCEPT_WAIT_S)
+        accepted = await who_accepted(ours, theirs, self.router_pids, ACCEPT_WAIT_S)
         if accepted.ours:
             return ""
         return (f"not sent, it would carry the control-plane key: on {self.host}:{self.port} "
