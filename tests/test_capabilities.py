@@ -131,6 +131,36 @@ except UntrustedPath as e:
         assert os.listdir(home) == []  # nothing made there by root
 
 
+def test_a_cache_dir_that_is_roots_link_is_followed_and_nobodys_link_is_refused(nobody, base):
+    """An operator's `cache_dir` may be a link root made (to a bigger disk), followed; one in a
+    directory others can write (where another user made it) is refused, naming that directory,
+    with nothing made at its end."""
+    disk = base / "disk"
+    disk.mkdir(mode=0o755)
+    (base / "cache").symlink_to(disk)
+    elsewhere = base / "elsewhere"
+    elsewhere.mkdir(mode=0o755)
+    sticky = base / "sticky"  # others may add entries, as in /tmp, but not touch root's
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    as_nobody(f"ln -s {elsewhere} {sticky}/cache")
+    code = PREAMBLE + f"""
+from supervisord_gpu.config.trust import UntrustedPath
+out = {{}}
+for name, target in (("root", {str(base / "cache" / "nobody")!r}), ("nobody", {str(sticky / "cache" / "nobody")!r})):
+    try:
+        PrivateDir(Path(target), {nobody.pw_uid}, {nobody.pw_gid}).prepare()
+        out[name] = ""
+    except UntrustedPath as e:
+        out[name] = str(e)
+print(json.dumps(out))
+"""
+    out = as_daemon(code)
+    assert out["root"] == "" and (disk / "nobody").stat().st_uid == nobody.pw_uid
+    assert out["nobody"].startswith(f"refusing to prepare {sticky}/cache/nobody: {sticky} is writable by non-root"), out
+    assert os.listdir(elsewhere) == []
+
+
 def test_two_servers_of_one_user_prepare_their_shared_cache_side_by_side_without_fowner(nobody, base):
     """Prefill and decode run as one user and share its compile cache; the daemon prepares both
     in threads at once. Without CAP_FOWNER a chmod landing after the other's last chown failed

@@ -145,6 +145,8 @@ def _open_passable(parent: Path, wanted: Path) -> int:
                 os.mkdir(name, 0o711, dir_fd=fd)
                 made = True
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode) and i == len(names) - 1:
+                break  # an existing link (cache_dir -> /srv/cache): the walk below follows it only if root's
             if not stat.S_ISDIR(st.st_mode):
                 raise OSError(errno.ENOTDIR, f"{parent} exists and is not a directory")
             if made:  # the umask took bits away
