@@ -28,7 +28,7 @@ import socket
 import sys
 from ..records import dataclass
 from typing import Any
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from ..addresses import IPAddress, unmap
 from ..ownership.procfs import all_pids, fd_targets
@@ -276,20 +276,13 @@ def _ip(host: str) -> IPAddress:
 
 def _connection(local: tuple[IPAddress, int], remote: tuple[IPAddress, int]) -> tuple[int, int] | None:
     """(uid, inode) of the TCP socket of this network namespace bound to `local` and connected to `remote`."""
-    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
-        try:
-            with open(table) as f:
-                lines = f.readlines()[1:]
-        except OSError:
+    for v6, fields in _socket_rows():
+        laddr, _, lport = fields[1].partition(":")
+        raddr, _, rport = fields[2].partition(":")
+        if int(lport, 16) != local[1] or int(rport, 16) != remote[1]:
             continue
-        for line in lines:
-            fields = line.split()
-            laddr, _, lport = fields[1].partition(":")
-            raddr, _, rport = fields[2].partition(":")
-            if int(lport, 16) != local[1] or int(rport, 16) != remote[1]:
-                continue
-            if unmap(_parse_addr(laddr, v6)) == local[0] and unmap(_parse_addr(raddr, v6)) == remote[0]:
-                return int(fields[7]), int(fields[9])
+        if unmap(_parse_addr(laddr, v6)) == local[0] and unmap(_parse_addr(raddr, v6)) == remote[0]:
+            return int(fields[7]), int(fields[9])
     return None
 
 
@@ -356,6 +349,17 @@ def _sockets_on_ports(ports: set[int]) -> list[tuple[IPAddress, int, str, int, i
     small VM, more on big hosts. Read once per check, and only when a port is held.
     """
     found = []
+    for v6, fields in _socket_rows():
+        hexaddr, _, hexport = fields[1].partition(":")
+        port = int(hexport, 16)
+        if port in ports:
+            found.append((_parse_addr(hexaddr, v6), port, fields[3], int(fields[7]), int(fields[9])))
+    return found
+
+
+def _socket_rows() -> Iterator[tuple[bool, list[str]]]:
+    """(is IPv6, the row's fields) of every row of /proc/net/tcp, then of /proc/net/tcp6 (a
+    table that cannot be read, as without IPv6, has none)."""
     for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
         try:
             with open(table) as f:
@@ -363,12 +367,7 @@ def _sockets_on_ports(ports: set[int]) -> list[tuple[IPAddress, int, str, int, i
         except OSError:
             continue
         for line in lines:
-            fields = line.split()
-            hexaddr, _, hexport = fields[1].partition(":")
-            port = int(hexport, 16)
-            if port in ports:
-                found.append((_parse_addr(hexaddr, v6), port, fields[3], int(fields[7]), int(fields[9])))
-    return found
+            yield v6, line.split()
 
 
 def _parse_addr(hexaddr: str, v6: bool) -> IPAddress:
