@@ -294,7 +294,7 @@ class Instance:
         router = self._router_of(proc)
         if router is None or router.state != State.READY:
             return None
-        workers = router.router_api()  # with the instance's control-plane key, to its own listener only
+        workers = router.router_api()  # the instance's control-plane key, only to the router's own process
         began = time.monotonic()
         why = await workers.withdraw(proc.spec, timeout=TRAFFIC_API_TIMEOUT_S)
         if why:

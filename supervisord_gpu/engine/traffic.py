@@ -11,11 +11,11 @@ none of this is needed: the router stops first and closes its listener.
 That API is closed to everyone but the daemon (sglang/router_key.py: each call carries the
 instance's control-plane key), and RouterWorkers.enforce keeps the list to the workers the
 profile names: anyone else's is named in the journal at error priority and removed. The key
-goes only to a listener held by the router's own cgroup: after a SIGTERM the real router
-closes its port at once and lives on while requests drain (up to 180 s), and a process of its
-own user (the servers' model code) can send that signal and bind the port; the key would
-otherwise be handed to it at the next call. So the key is written only into a connection that
-a process of the router's own cgroup accepted (checks/ports.py, `who_accepted`).
+is written only into a connection that a process of the router's own cgroup accepted
+(engine/probe.py, `who_accepted`): after a SIGTERM the real router closes its port at once and
+lives on while requests drain (up to 180 s), a process of its own user (the servers' model
+code) can send that signal, and anyone can then bind the port; the key would otherwise be
+handed to them at the next call.
 """
 
 from __future__ import annotations
