@@ -345,24 +345,30 @@ status()
 idle = statistics.median(status() for _ in range(21))
 big = "x" * (1 << 20)
 errors = []
-loop = GLib.MainLoop()
-def answered(con, result, _data):
-    try:
-        con.call_finish(result)
-        errors.append("no error")
-    except GLib.Error as e:
-        errors.append(e.message)
-    if len(errors) == 20:
-        loop.quit()
-began = time.perf_counter()
-for i in range(20):  # all 20 in flight at once, then the victim's call behind them
-    attacker.call(bus_name, path, iface, ("GetProcess", "GetHistory")[i % 2], GLib.Variant("(s)", (big,)), None, 0,
-                  30000, None, answered, None)
-attacker.flush_sync(None)
-during = status()
-GLib.timeout_add(60000, loop.quit)
-loop.run()
-flood = time.perf_counter() - began
+def flood_once():  # 20 calls of 1 MiB in flight at once, then the victim's call behind them
+    loop = GLib.MainLoop()
+    want = len(errors) + 20
+    def answered(con, result, _data):
+        try:
+            con.call_finish(result)
+            errors.append("no error")
+        except GLib.Error as e:
+            errors.append(e.message)
+        if len(errors) == want:
+            loop.quit()
+    began = time.perf_counter()
+    for i in range(20):
+        attacker.call(bus_name, path, iface, ("GetProcess", "GetHistory")[i % 2], GLib.Variant("(s)", (big,)),
+                      None, 0, 30000, None, answered, None)
+    attacker.flush_sync(None)
+    during = status()
+    GLib.timeout_add(60000, loop.quit)
+    loop.run()
+    return during, time.perf_counter() - began
+# three floods: one victim call behind each is one sample, and a 2-core machine running other tests
+# can stall any one sample (12x idle seen once); the daemon's own work for the big calls is in all three
+rounds = [flood_once() for _ in range(3)]
+during, flood = min(d for d, _ in rounds), max(f for _, f in rounds)
 after = statistics.median(status() for _ in range(21))
 print(json.dumps({"idle": idle, "during": during, "after": after, "flood_s": flood, "errors": errors}))
 """
@@ -393,7 +399,8 @@ def test_oversize_string_arguments_are_refused_at_once_and_slow_nobody_down(tmp_
     assert "Error.UnknownProcess" in info.value.message and "limit is 256 bytes" in info.value.message
     assert len(info.value.message) < 400
     # behind 20 MiB in flight: the bus daemon itself still carries them (1-3 ms here, no code of ours
-    # can avoid it); before the fix the daemon's own work for each made it 25-40 times an idle call
+    # can avoid it); before the fix the daemon's own work for each made it 25-40 times an idle call,
+    # in every flood (`during` is the least of three: one sample was once 12x under a loaded CI)
     # `after` (every big call answered) is held to the same bound: it and `idle` are medians taken
     # seconds apart while other tests load the machine, and 5x was seen in a clean-clone CI run with
     # nothing of ours busy (0.73 ms, then 3.6 ms); 3x failed it, not the daemon
