@@ -9,15 +9,16 @@ PROFILE ?= pd-1p1d
 APT_PKGS = python3-venv python3-gi dbus libglib2.0-bin
 TEST_APT_PKGS = systemd-container debootstrap dbus prometheus etcd-server openssl
 # Debian starts and enables the daemons it installs (etcd on 2379, prometheus on 9090, its node
-# exporter on 9100, and what their Recommends bring): the tests start their own, on addresses
-# they own, so the host gets none (tests/rig/install_quietly.sh).
+# exporter on 9100, and what their Recommends bring; debhelper brings man-db and its timer): the
+# tests start their own, on addresses they own, so the host gets none. Every apt install here
+# goes through tests/rig/install_quietly.sh.
 STAMP   = $(VENV)/.installed
 
 .PHONY: rehearse rehearse-cluster test check setup test-setup lint bench deb clean
 
 $(STAMP): pyproject.toml
 	@if [ "$$(id -u)" = 0 ] && ! dpkg -s $(APT_PKGS) >/dev/null 2>&1; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PKGS) >/dev/null; fi
+	    sh tests/rig/install_quietly.sh $(APT_PKGS); fi
 	$(PY) -m venv --system-site-packages $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[test,bench,metrics,cluster]'
 	touch $@
@@ -84,7 +85,7 @@ DEB_ENV      = env -u PYTHONPATH -u PYTHONHOME -u VIRTUAL_ENV PATH=/usr/sbin:/us
 deb:
 	@if [ "$$(id -u)" = 0 ] && ! dpkg -s $(DEB_APT_PKGS) >/dev/null 2>&1; then \
 	    echo "installing build tools: $(DEB_APT_PKGS)"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEB_APT_PKGS) >/dev/null; fi
+	    sh tests/rig/install_quietly.sh $(DEB_APT_PKGS); fi
 	@rm -rf $(DEB_OUT)/deb $(DEB_OUT)/supervisord-gpu_$(DEB_VERSION)_* && mkdir -p $(DEB_TREE)
 	@if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then \
 	    git ls-files -z --cached --others --exclude-standard \

@@ -1,6 +1,7 @@
 #!/bin/sh
-# Install Debian packages for the tests, and leave the host with no service of theirs running
-# or enabled (issue #26): the tests start their own etcd and prometheus, on addresses they own.
+# Install Debian packages for the set-up, the tests and `make deb`, and leave the host with no
+# service of theirs running or enabled (issue #26): the tests start their own etcd and
+# prometheus, on addresses they own; debhelper's man-db brings a timer nobody asked for.
 #
 #   sh tests/rig/install_quietly.sh PACKAGE...        (as root; the Makefile's test-setup)
 #
