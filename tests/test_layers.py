@@ -14,7 +14,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "supervisord_gpu"
 
-#: higher imports lower, never the other way; the README's design map lists the same floors
+#: higher imports lower, never the other way; docs/design.md lists the same floors (tests/test_docs.py)
 FLOORS: dict[str, int] = {
     "errors": 0, "records": 0, "addresses": 0,
     "names": 1, "bus": 1, "sglang": 1,
