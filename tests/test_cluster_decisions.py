@@ -947,6 +947,41 @@ def test_a_failed_own_start_rolls_back_only_when_the_transition_had_stopped_some
     assert [s.action for s in store.current()[1].steps] == ["stop", "start"]  # type: ignore[index]
 
 
+def test_the_cluster_transition_keeps_what_it_led_and_rolls_exactly_that_back_when_its_own_start_fails(cluster):
+    """The rollback's state is the controller's ClusterTransition's (not the gate's): what it led
+    is kept from `prepare` to `roll_back`, and a failed start of our own part undoes it."""
+    from supervisord_gpu.controller.transition import ClusterTransition
+
+    publish_pd_running(cluster.store())
+    a, b = cluster.node("a").start(), cluster.node("b").start()
+    cfg = node_config(cluster.tmp / "a", "a")
+    store = memory_store(cfg, cluster.kv)
+    part = load_profile(cfg, "tp")
+    said: list[str] = []
+    rollback_holders: list[Any] = []
+    a.units.during[("start", "pd")] = lambda: rollback_holders.append(a.store.holder())
+
+    async def go() -> tuple[Any, str | None]:
+        gate = ClusterGate(store, part, "a", lambda _m, _p: None)
+        transition = ClusterTransition(part, cfg, NoGpus(), gate, lambda m, _p, _e: said.append(m))  # type: ignore[arg-type]
+        try:
+            await asyncio.wait_for(transition.prepare("checked", lambda _m: None), 3.0)
+            led = transition.led
+            await asyncio.wait_for(lock_released(store), 3.0)  # every node's part reported its start
+            return led, await transition.roll_back(StartError("tp: router did not become ready"), "tp failed")
+        finally:
+            gate.close()
+
+    led, reason = asyncio.run(go())
+    assert led is not None and [s.action for s in led.done] == ["stop", "verify"] and led.me.node == "a"
+    assert reason == "tp failed (cluster transition; rolling back: the agents stop tp on every node and start pd again)"
+    assert until(lambda: ("a", "start", "pd") in cluster.log and ("b", "start", "pd") in cluster.log), cluster.log
+    held = rollback_holders[0]
+    assert held.kind is TransitionKind.ROLLBACK and (held.target, held.starting) == ("tp", ("pd",)), held
+    assert [x for x in cluster.log if x[1] == "stop"][-2:] in ([("a", "stop", "tp"), ("b", "stop", "tp")],
+                                                               [("b", "stop", "tp"), ("a", "stop", "tp")])
+
+
 def test_a_profile_whose_every_process_is_stopped_or_failed_is_not_in_the_way(cluster):
     store = cluster.store()
     cfg = node_config(cluster.tmp / "a")
