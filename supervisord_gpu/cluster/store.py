@@ -138,9 +138,6 @@ class ClusterStore:
             _, found = self.kv.range(key)
         return found[0] if found else None
 
-    def exists(self, key: str) -> bool:
-        return self._entry(key) is not None
-
     def _parsed(self, prefix: str, parse: Callable[[Entry, str], Any]) -> list[Any]:
         """parse(entry, the key below `prefix`) of every key under it; bad ones named and skipped."""
         out = []
