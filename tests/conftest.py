@@ -53,13 +53,16 @@ FAST_MODULES = frozenset({
     "test_cluster_failures", "test_bus_errors", "test_version", "test_cluster_decisions", "test_layers",
     "test_capabilities", "test_install_quietly",
     "test_docs",
+    "test_dcs_contract_memory",
 })
 
 
 # Modules whose tests share a module-scoped fixture (one booted container, one etcd, one
 # rehearsal that the tests walk through in order): under pytest-xdist each is one group, run
 # by one worker in file order, instead of a copy of the fixture per worker and tests out of order.
-SHARED_FIXTURE_MODULES = frozenset({"test_metrics", "test_cluster_tls", "test_restart_limit_systemd", "test_gpu_nvml"})
+SHARED_FIXTURE_MODULES = frozenset({"test_metrics", "test_cluster_tls", "test_restart_limit_systemd", "test_gpu_nvml",
+                                    "test_dcs_contract_etcd",
+                                    })
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads xdist_group marks into node ids

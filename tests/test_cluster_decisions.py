@@ -28,11 +28,13 @@ from supervisord_gpu.checks.gpus import GpuInventory
 from supervisord_gpu.cluster import kv as kv_module
 from supervisord_gpu.cluster import store as store_module
 from supervisord_gpu.cluster.agent import NodeAgent
-from supervisord_gpu.cluster.coordinator import (Transition, _plan_agrees, prepare_cluster_start, roll_back,
+from supervisord_gpu.cluster.coordinator import (LedTransition, _plan_agrees, prepare_cluster_start, roll_back,
                                                  roll_back_failed_start, running_profiles)
+from supervisord_gpu.cluster.dcs import StoreUnreachable
 from supervisord_gpu.cluster.gate import ClusterGate
 from supervisord_gpu.cluster.kv import MemoryKV
 from supervisord_gpu.cluster.plan import ClusterPlan, NodeWork, Step, plan_switch
+from supervisord_gpu.cluster.records import LockRecord, NodeRecord, ProcessRecord, StepReport, TransitionKind
 from supervisord_gpu.cluster.store import ClusterStore, ClusterUnavailable, NodeLost, StepFailed
 from supervisord_gpu.config.loader import load_profile
 from supervisord_gpu.config.model import DaemonConfig
@@ -219,14 +221,14 @@ def keep_alive(*nodes: Node) -> None:
 
 
 def report(store: ClusterStore, tid: str, step: int, node: str, lease: int, reason: str = "") -> None:
-    store.report(tid, step, node, {"state": "failed", "reason": reason} if reason else {"state": "done"}, lease)
+    store.report(tid, step, node, StepReport("failed", reason) if reason else StepReport("done"), lease)
 
 
 def publish_pd_running(store: ClusterStore) -> int:
     """pd's daemons on a and b have published their processes ready (under their own lease)."""
     lease = store.grant()
     for node, process in (("a", "prefill"), ("a", "router"), ("b", "decode")):
-        store.publish_process("pd", node, process, {"state": "ready"}, lease)
+        store.publish_process(ProcessRecord("pd", node, process, "ready"), lease)
     return lease
 
 
@@ -242,7 +244,7 @@ def test_of_nodes_racing_for_the_lock_exactly_one_wins_and_every_other_is_told_w
 
     def take(n: str) -> None:
         barrier.wait()
-        got[n] = stores[n].acquire(leases[n], {"node": n, "to": f"to-{n}", "pid": 1})
+        got[n] = stores[n].acquire(leases[n], LockRecord(n, f"to-{n}", pid=1))
 
     threads = [threading.Thread(target=take, args=(n,)) for n in names]
     for t in threads:
@@ -260,20 +262,20 @@ def test_of_nodes_racing_for_the_lock_exactly_one_wins_and_every_other_is_told_w
 
 def test_releasing_a_lock_one_does_not_hold_leaves_it_with_its_holder(cluster):
     a, b = cluster.store("a"), cluster.store("b")
-    assert a.acquire(a.grant(), {"node": "a", "to": "tp", "pid": 1}) is None
-    b.release({"node": "b", "to": "tp", "pid": 1})
-    b.release({"node": "a", "to": "tp", "pid": 2})  # the same node, another holder (another daemon)
+    assert a.acquire(a.grant(), LockRecord("a", "tp", pid=1)) is None
+    b.release(LockRecord("b", "tp", pid=1))
+    b.release(LockRecord("a", "tp", pid=2))  # the same node, another holder (another daemon)
     held = b.holder()
     assert held is not None and (held.node, held.pid) == ("a", 1)
 
 
 def test_a_holder_whose_lease_ran_out_cannot_release_the_lock_its_successor_took(cluster, clock):
     a, b = cluster.store("a"), cluster.store("b")
-    old = {"node": "a", "to": "tp", "pid": 1}
+    old = LockRecord("a", "tp", pid=1)
     assert a.acquire(a.grant(ttl_s=5), old) is None
     clock.advance(6)  # a was presumed dead: its lease, and the lock, are gone
     assert a.holder() is None
-    new = {"node": "b", "to": "pd", "pid": 2}
+    new = LockRecord("b", "pd", pid=2)
     assert b.acquire(b.grant(ttl_s=30), new) is None
     a.release(old)  # a comes back and releases what it believes is its lock
     assert a.holder() is not None and a.holder().node == "b"  # type: ignore[union-attr]
@@ -282,14 +284,14 @@ def test_a_holder_whose_lease_ran_out_cannot_release_the_lock_its_successor_took
 def test_a_lock_lives_past_its_ttl_while_renewed_and_ends_with_the_first_missed_renewal(cluster, clock):
     a, b = cluster.store("a"), cluster.store("b")
     lease = a.grant(ttl_s=10)
-    assert a.acquire(lease, {"node": "a", "to": "tp"}) is None
+    assert a.acquire(lease, LockRecord("a", "tp")) is None
     for _ in range(5):  # 40 s of the store's time, renewed every 8 s
         clock.advance(8)
         assert a.refresh(lease) is True
-    assert b.acquire(b.grant(ttl_s=10), {"node": "b", "to": "pd"}).node == "a"  # type: ignore[union-attr]
+    assert b.acquire(b.grant(ttl_s=10), LockRecord("b", "pd")).node == "a"  # type: ignore[union-attr]
     clock.advance(10)  # no renewal this time
     assert a.refresh(lease) is False  # a is told it was presumed dead
-    assert b.acquire(b.grant(ttl_s=10), {"node": "b", "to": "pd"}) is None and b.holder().node == "b"  # type: ignore[union-attr]
+    assert b.acquire(b.grant(ttl_s=10), LockRecord("b", "pd")) is None and b.holder().node == "b"  # type: ignore[union-attr]
 
 
 class Flickering(MemoryKV):
@@ -306,7 +308,7 @@ def test_taking_the_lock_gives_up_after_five_tries_when_it_keeps_changing(tmp_pa
     kv = Flickering()
     store = memory_store(node_config(tmp_path), kv)
     with pytest.raises(ClusterUnavailable) as e:
-        store.acquire(store.grant(), {"node": "a", "to": "tp"})
+        store.acquire(store.grant(), LockRecord("a", "tp"))
     assert str(e.value) == ("etcd at memory://: the transition lock keeps changing; gave up after 5 tries")
     assert kv.calls == store_module.ACQUIRE_TRIES == 5
 
@@ -314,18 +316,18 @@ def test_taking_the_lock_gives_up_after_five_tries_when_it_keeps_changing(tmp_pa
 def test_a_coordinators_lease_revoked_mid_transition_takes_its_lock_plan_and_current_with_it(cluster):
     a, b = cluster.store("a"), cluster.store("b")
     lease = a.grant()
-    assert a.acquire(lease, {"node": "a", "to": "tp", "starting": ["tp"], "tid": "t1"}) is None
-    a.put_plan("t1", tp_from_pd(node_config(cluster.tmp / "a")).to_json(), lease)
+    assert a.acquire(lease, LockRecord("a", "tp", starting=("tp",), tid="t1")) is None
+    a.put_plan("t1", tp_from_pd(node_config(cluster.tmp / "a")), lease)
     assert b.current() is not None and b.current()[0] == "t1"  # type: ignore[index]
     a.revoke(lease)
     assert b.holder() is None and b.current() is None and b.plan("t1") is None
-    assert b.acquire(b.grant(), {"node": "b", "to": "pd", "tid": "t2"}) is None  # a second switch may begin
+    assert b.acquire(b.grant(), LockRecord("b", "pd", tid="t2")) is None  # a second switch may begin
 
 
 def test_a_current_naming_a_transition_without_a_plan_is_no_transition(cluster):
     store = cluster.store()
     lease = store.grant()
-    store.put_plan("t1", tp_from_pd(node_config(cluster.tmp / "a")).to_json(), lease)
+    store.put_plan("t1", tp_from_pd(node_config(cluster.tmp / "a")), lease)
     store.kv.put("/c/current", "t2", lease)  # points at a transition whose plan is not there
     assert store.current() is None
 
@@ -336,8 +338,8 @@ def test_a_current_naming_a_transition_without_a_plan_is_no_transition(cluster):
 def test_a_step_waiting_on_a_node_whose_lease_expires_fails_naming_that_node(cluster, clock):
     store = cluster.store()
     a, b = store.grant(ttl_s=10), store.grant(ttl_s=10)
-    store.announce("a", a, {"node": "a"})
-    store.announce("b", b, {"node": "b"})
+    store.announce(NodeRecord("a"), a)
+    store.announce(NodeRecord("b"), b)
     report(store, "t1", 2, "a", a)
     with pytest.raises(TimeoutError, match="waiting for b$"):
         store.wait_step("t1", 2, ("a", "b"), time.monotonic() + 0.1)  # b is alive, only late
@@ -355,8 +357,8 @@ def test_a_step_waiting_on_a_node_whose_lease_expires_fails_naming_that_node(clu
 def test_a_node_that_reported_and_then_lost_its_lease_counts_as_lost_its_report_goes_with_it(cluster):
     store = cluster.store()
     a, b = store.grant(), store.grant()
-    store.announce("a", a, {})
-    store.announce("b", b, {})
+    store.announce(NodeRecord("a"), a)
+    store.announce(NodeRecord("b"), b)
     report(store, "t1", 1, "a", a)
     report(store, "t1", 1, "b", b)
     assert set(store.wait_step("t1", 1, ("a", "b"), time.monotonic() + 1)) == {"a", "b"}
@@ -368,7 +370,7 @@ def test_a_node_that_reported_and_then_lost_its_lease_counts_as_lost_its_report_
 def test_a_failure_reported_by_a_node_outside_the_step_does_not_fail_it(cluster):
     store = cluster.store()
     lease = store.grant()
-    store.announce("a", lease, {})
+    store.announce(NodeRecord("a"), lease)
     report(store, "t1", 1, "c", lease, reason="c's own trouble")
     report(store, "t1", 1, "a", lease)
     got = store.wait_step("t1", 1, ("a",), time.monotonic() + 1)
@@ -378,7 +380,7 @@ def test_a_failure_reported_by_a_node_outside_the_step_does_not_fail_it(cluster)
 def test_a_failed_report_is_named_before_a_lost_node(cluster):
     store = cluster.store()
     lease = store.grant()
-    store.announce("a", lease, {})  # b's agent is gone, c's is not even announced
+    store.announce(NodeRecord("a"), lease)  # b's agent is gone, c's is not even announced
     report(store, "t1", 3, "c", lease, reason="start of dsv4@tp.service: failed")
     with pytest.raises(StepFailed) as e:
         store.wait_step("t1", 3, ("a", "b", "c"), time.monotonic() + 1)
@@ -390,7 +392,7 @@ def test_reports_of_an_older_transition_do_not_settle_the_current_one(cluster):
     store = cluster.store()
     lease = store.grant()
     for node in ("a", "b"):
-        store.announce(node, lease, {})
+        store.announce(NodeRecord(node), lease)
         report(store, "t1", 1, node, lease)  # the previous transition's step 1, done everywhere
     report(store, "t2", 1, "a", lease)
     with pytest.raises(TimeoutError, match="waiting for b$"):
@@ -402,7 +404,7 @@ def test_a_waiting_step_wakes_on_the_last_report_not_on_its_next_recheck(cluster
     store, other = cluster.store("a"), cluster.store("b")
     lease = store.grant()
     for node in ("a", "b"):
-        store.announce(node, lease, {})
+        store.announce(NodeRecord(node), lease)
     report(store, "t1", 1, "a", lease)
     timer = threading.Timer(0.1, lambda: report(other, "t1", 1, "b", lease))
     timer.start()
@@ -415,7 +417,7 @@ def test_a_waiting_step_wakes_on_the_last_report_not_on_its_next_recheck(cluster
 def test_an_abandoned_wait_ends_at_once_saying_so(cluster):
     store = cluster.store()
     lease = store.grant()
-    store.announce("b", lease, {})
+    store.announce(NodeRecord("b"), lease)
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="^abandoned$"):
         store.wait_step("t1", 1, ("b",), time.monotonic() + 60, aborted=lambda: True)
@@ -471,7 +473,7 @@ def test_an_agent_does_nothing_for_a_plan_that_names_only_other_nodes(cluster):
     store = cluster.store()
     lease = store.grant()
     plan = ClusterPlan("pd", ("pd",), (Step(1, "stop", (NodeWork("a", "pd", ("prefill", "router")),)),))
-    store.put_plan("t1", plan.to_json(), lease)
+    store.put_plan("t1", plan, lease)
     one_turn(b)
     assert b.units.calls == [] and store.reports("t1", 1) == {} and "t1" in b.agent.done
 
@@ -479,7 +481,7 @@ def test_an_agent_does_nothing_for_a_plan_that_names_only_other_nodes(cluster):
 def test_an_agent_stops_its_own_part_only_and_reports_it_done(cluster):
     b = cluster.node("b")
     store = cluster.store()
-    store.put_plan("t1", tp_from_pd(b.cfg).to_json(), store.grant())
+    store.put_plan("t1", tp_from_pd(b.cfg), store.grant())
     report(store, "t1", 1, "a", b.agent.lease)  # so that b goes on to its verification
     report(store, "t1", 2, "a", b.agent.lease, reason="a's GPUs are busy")  # and stops there
     one_turn(b)
@@ -494,8 +496,8 @@ def test_an_agent_waiting_for_a_step_it_is_not_in_gives_up_when_that_step_fails_
     lease = store.grant()
     plan = ClusterPlan("tp", ("pd",), (Step(1, "stop", (NodeWork("a", "pd", ("prefill", "router")),)),
                                        Step(2, "start", (NodeWork("a", "tp", ("big", "router")), NodeWork("b", "tp", ("big",))))))
-    store.put_plan("t1", plan.to_json(), lease)
-    store.announce("a", lease, {})
+    store.put_plan("t1", plan, lease)
+    store.announce(NodeRecord("a"), lease)
     report(store, "t1", 1, "a", lease, reason="stop of dsv4@pd.service: timeout")
     one_turn(b)
     assert b.units.calls == [] and "b" not in store.reports("t1", 2)
@@ -507,7 +509,7 @@ def test_an_agent_waiting_for_a_lost_node_starts_nothing_and_names_it(cluster):
     store = cluster.store()
     plan = ClusterPlan("tp", ("pd",), (Step(1, "stop", (NodeWork("a", "pd", ("prefill", "router")),)),
                                        Step(2, "start", (NodeWork("b", "tp", ("big",)),))))
-    store.put_plan("t1", plan.to_json(), store.grant())  # a never announced itself: its agent is gone
+    store.put_plan("t1", plan, store.grant())  # a never announced itself: its agent is gone
     one_turn(b)
     assert b.units.calls == []
     assert any("abandoned before step 2: node 'a' was lost during step 1" in m for m in b.said), b.said
@@ -516,7 +518,7 @@ def test_an_agent_waiting_for_a_lost_node_starts_nothing_and_names_it(cluster):
 def test_an_agent_whose_own_stop_fails_reports_why_and_goes_no_further(cluster):
     b = cluster.node("b", fail={("stop", "pd"): "stop of dsv4@pd.service: failed"})
     store = cluster.store()
-    store.put_plan("t1", tp_from_pd(b.cfg).to_json(), store.grant())
+    store.put_plan("t1", tp_from_pd(b.cfg), store.grant())
     report(store, "t1", 1, "a", b.agent.lease)
     one_turn(b)
     assert b.units.calls == [("stop", "pd")] and ("b", "verify", "tp") not in cluster.log
@@ -534,7 +536,7 @@ def test_a_unit_error_becomes_a_failed_report_of_its_first_line(cluster):
     b = cluster.node("b")
     b.agent.units = Refusing()
     store = cluster.store()
-    store.put_plan("t1", tp_from_pd(b.cfg).to_json(), store.grant())
+    store.put_plan("t1", tp_from_pd(b.cfg), store.grant())
     one_turn(b)
     got = store.reports("t1", 1)["b"]
     assert (got.state, got.reason) == ("failed", "systemd refused to stop dsv4@pd.service: access denied")
@@ -545,13 +547,13 @@ def test_a_plan_seen_again_under_the_same_id_is_carried_out_once_and_a_new_id_ag
     store = cluster.store()
     lease = store.grant()
     stop_b = ClusterPlan("pd", ("pd",), (Step(1, "stop", (NodeWork("b", "pd", ("decode",)),)),))
-    store.put_plan("t1", stop_b.to_json(), lease)
+    store.put_plan("t1", stop_b, lease)
     for _ in range(3):
         one_turn(b)
-    store.put_plan("t1", stop_b.to_json(), lease)  # written again, same id: still the same transition
+    store.put_plan("t1", stop_b, lease)  # written again, same id: still the same transition
     one_turn(b)
     assert b.units.calls == [("stop", "pd")]
-    store.put_plan("t2", stop_b.to_json(), lease)  # the same plan as a new transition is a new order
+    store.put_plan("t2", stop_b, lease)  # the same plan as a new transition is a new order
     one_turn(b)
     assert b.units.calls == [("stop", "pd"), ("stop", "pd")]
 
@@ -560,9 +562,9 @@ def test_current_pointing_back_at_an_older_transition_is_not_carried_out_again(c
     b = cluster.node("b")
     store = cluster.store()
     lease = store.grant()
-    store.put_plan("t1", ClusterPlan("pd", ("pd",), (Step(1, "stop", (NodeWork("b", "pd", ("decode",)),)),)).to_json(), lease)
+    store.put_plan("t1", ClusterPlan("pd", ("pd",), (Step(1, "stop", (NodeWork("b", "pd", ("decode",)),)),)), lease)
     one_turn(b)
-    store.put_plan("t2", ClusterPlan("tp", (), (Step(1, "start", (NodeWork("b", "tp", ("big",)),)),)).to_json(), lease)
+    store.put_plan("t2", ClusterPlan("tp", (), (Step(1, "start", (NodeWork("b", "tp", ("big",)),)),)), lease)
     one_turn(b)
     store.kv.put("/c/current", "t1", lease)  # a stale pointer to the older transition, its plan still there
     one_turn(b)
@@ -574,7 +576,7 @@ def test_a_plan_that_names_a_single_machine_instance_in_any_step_is_refused_whol
     store = cluster.store()
     plan = ClusterPlan("tp", ("pd",), (Step(1, "stop", (NodeWork("b", "pd", ("decode",)),)),
                                        Step(2, "start", (NodeWork("b", "solo", ()),))))
-    store.put_plan("t1", plan.to_json(), store.grant())
+    store.put_plan("t1", plan, store.grant())
     one_turn(b)
     assert b.units.calls == [] and store.reports("t1", 1) == {}  # not even the admissible first step
     assert any(m.startswith("ignoring transition t1: it names solo, which does not span nodes") for m in b.said), b.said
@@ -584,7 +586,7 @@ def test_a_plan_naming_a_node_the_profile_lacks_is_refused(cluster):
     b = cluster.node("b")
     store = cluster.store()
     plan = ClusterPlan("pd", ("pd",), (Step(1, "stop", (NodeWork("b", "pd", ("decode",)), NodeWork("c", "pd", ()))),))
-    store.put_plan("t1", plan.to_json(), store.grant())
+    store.put_plan("t1", plan, store.grant())
     one_turn(b)
     assert b.units.calls == []
     assert any("it names node c for pd, which has no such node" in m for m in b.said), b.said
@@ -594,8 +596,8 @@ def test_a_stopping_agent_abandons_a_transition_waiting_on_another_node(cluster)
     b = cluster.node("b")
     store = cluster.store()
     lease = store.grant()
-    store.announce("a", lease, {})  # a is alive, and has not reported step 1
-    store.put_plan("t1", tp_from_pd(b.cfg).to_json(), lease)
+    store.announce(NodeRecord("a"), lease)  # a is alive, and has not reported step 1
+    store.put_plan("t1", tp_from_pd(b.cfg), lease)
     b.agent.stopping.set()
     t0 = time.monotonic()
     one_turn(b)
@@ -620,7 +622,7 @@ def test_a_verification_on_a_node_without_the_gpus_fails_naming_the_node(cluster
     b.agent.inventory = NoGpusAtAll()
     store = cluster.store()
     plan = ClusterPlan("tp", (), (Step(1, "verify", (NodeWork("b", "tp", ()),)),))
-    store.put_plan("t1", plan.to_json(), store.grant())
+    store.put_plan("t1", plan, store.grant())
     one_turn(b)
     got = store.reports("t1", 1)["b"]
     assert got.state == "failed" and got.reason.startswith("node b: GPU 0 does not exist"), got
@@ -631,7 +633,7 @@ def test_two_agents_start_nothing_anywhere_before_every_node_stopped_and_verifie
     a = cluster.node("a", during=slow).start()
     cluster.node("b").start()
     store = cluster.store()
-    store.put_plan("t1", tp_from_pd(a.cfg).to_json(), store.grant())
+    store.put_plan("t1", tp_from_pd(a.cfg), store.grant())
     assert until(lambda: len(cluster.log) == 6), cluster.log
     assert [what for _, what, _ in cluster.log] == ["stop", "stop", "verify", "verify", "start", "start"], cluster.log
     assert {(n, i) for n, what, i in cluster.log if what == "stop"} == {("a", "pd"), ("b", "pd")}
@@ -643,11 +645,11 @@ def test_the_agents_free_a_rollbacks_lock_once_every_node_reported_its_last_step
     a, b = cluster.node("a"), cluster.node("b")
     store = cluster.store()
     lease = store.grant()
-    rollback = {"to": "rollback of tp", "starting": ["pd"], "node": "a", "pid": 1, "tid": "t1"}
+    rollback = LockRecord("a", "tp", kind=TransitionKind.ROLLBACK, starting=("pd",), pid=1, tid="t1")
     assert store.acquire(lease, rollback) is None
     plan = ClusterPlan("rollback of tp", (), (Step(1, "start", (NodeWork("a", "pd", ("prefill", "router")),
                                                                  NodeWork("b", "pd", ("decode",)))),))
-    store.put_plan("t1", plan.to_json(), lease)
+    store.put_plan("t1", plan, lease)
     one_turn(a)
     assert store.holder() is not None  # b has not reported yet
     one_turn(b)
@@ -659,8 +661,8 @@ def test_the_agents_never_free_a_coordinators_lock_when_a_transition_ends(cluste
     b = cluster.node("b")
     store = cluster.store()
     lease = store.grant()
-    assert store.acquire(lease, {"to": "tp", "starting": ["tp"], "node": "a", "pid": 1, "tid": "t1"}) is None
-    store.put_plan("t1", ClusterPlan("tp", (), (Step(1, "start", (NodeWork("b", "tp", ("big",)),)),)).to_json(), lease)
+    assert store.acquire(lease, LockRecord("a", "tp", starting=("tp",), pid=1, tid="t1")) is None
+    store.put_plan("t1", ClusterPlan("tp", (), (Step(1, "start", (NodeWork("b", "tp", ("big",)),)),)), lease)
     one_turn(b)
     assert b.units.calls == [("start", "tp")]
     assert store.holder() is not None and store.holder().node == "a"  # type: ignore[union-attr]  # the coordinator's to free
@@ -669,9 +671,9 @@ def test_the_agents_never_free_a_coordinators_lock_when_a_transition_ends(cluste
 def test_an_agent_begins_no_further_step_of_a_transition_whose_coordinator_lease_ended(cluster):
     coordinator = cluster.store("a")
     lease = coordinator.grant()
-    assert coordinator.acquire(lease, {"to": "tp", "starting": ["tp"], "node": "a", "pid": 1, "tid": "t1"}) is None
+    assert coordinator.acquire(lease, LockRecord("a", "tp", starting=("tp",), pid=1, tid="t1")) is None
     b = cluster.node("b", during={("stop", "pd"): lambda: coordinator.revoke(lease)})  # a's daemon dies meanwhile
-    coordinator.put_plan("t1", tp_from_pd(b.cfg).to_json(), lease)
+    coordinator.put_plan("t1", tp_from_pd(b.cfg), lease)
     for step in (1, 2):
         report(coordinator, "t1", step, "a", b.agent.lease)  # a's agent did its share (it is alive)
     one_turn(b)
@@ -683,11 +685,11 @@ def test_an_agent_takes_up_at_once_a_transition_written_while_it_carried_out_the
     store = cluster.store()
     lease = store.grant()
     second = ClusterPlan("tp", (), (Step(1, "start", (NodeWork("b", "tp", ("big",)),)),))
-    b = cluster.node("b", during={("stop", "pd"): lambda: store.put_plan("t2", second.to_json(), lease)})
+    b = cluster.node("b", during={("stop", "pd"): lambda: store.put_plan("t2", second, lease)})
     # t1: b stops pd, then waits for a (whose agent is gone) and gives t1 up; t2 came meanwhile
     first = ClusterPlan("pd", ("pd",), (Step(1, "stop", (NodeWork("b", "pd", ("decode",)), NodeWork("a", "pd", ("prefill",)))),
                                         Step(2, "start", (NodeWork("b", "pd", ("decode",)),))))
-    store.put_plan("t1", first.to_json(), lease)
+    store.put_plan("t1", first, lease)
     b.start()
     assert until(lambda: any("abandoned before step 2: node 'a' was lost" in m for m in b.said), 1.0), b.said
     assert until(lambda: ("start", "tp") in b.units.calls, 1.0), b.units.calls
@@ -698,8 +700,8 @@ def test_an_agent_takes_up_at_once_a_transition_written_while_it_carried_out_the
 
 def lock_and_plan(store: ClusterStore, plan: ClusterPlan, tid: str = "t1", instance: str = "tp", node: str = "b"):  # type: ignore[no-untyped-def]
     lease = store.grant()
-    assert store.acquire(lease, {"to": instance, "starting": [instance], "node": node, "pid": 1, "tid": tid}) is None
-    store.put_plan(tid, plan.to_json(), lease)
+    assert store.acquire(lease, LockRecord(node, instance, starting=(instance,), pid=1, tid=tid)) is None
+    store.put_plan(tid, plan, lease)
     return store.holder()
 
 
@@ -729,9 +731,9 @@ def coordinate(cluster: Cluster, instance: str = "tp", after: Callable[[ClusterS
     async def go() -> None:
         gate = ClusterGate(store, part, "a", lambda m, _p: out["said"].append(m))
         try:
-            await asyncio.wait_for(prepare_cluster_start(part, cfg, NoGpus(), gate,  # type: ignore[arg-type]
-                                                         lambda m, _p: out["said"].append(m), out["progress"].append,
-                                                         verify), limit)
+            out["led"] = await asyncio.wait_for(prepare_cluster_start(part, cfg, NoGpus(), gate,  # type: ignore[arg-type]
+                                                                      lambda m, _p: out["said"].append(m),
+                                                                      out["progress"].append, verify), limit)
             out["gate"] = gate
             if after is not None:
                 await asyncio.wait_for(after(store), limit)
@@ -764,7 +766,7 @@ def test_a_switch_coordinated_here_stops_the_old_profile_everywhere_and_holds_th
     assert out["verified"] == []  # the coordinator's node verified through its agent, in step 2
     holder, (tid, plan) = seen["holder"], seen["current"]
     assert (holder.node, holder.to, holder.tid) == ("a", "tp", tid) and plan.stopping == ("pd",)
-    assert [s.number for s in out["gate"].transition.done] == [1, 2]
+    assert [s.number for s in out["led"].done] == [1, 2]  # what a rollback of our own start would undo
     assert [(n, what, i) for n, what, i in cluster.log if what != "verify"][:2] in (
         [("a", "stop", "pd"), ("b", "stop", "pd")], [("b", "stop", "pd"), ("a", "stop", "pd")])
     assert sorted(x for x in cluster.log if x[1] == "start") == [("a", "start", "tp"), ("b", "start", "tp")]
@@ -843,11 +845,11 @@ def test_a_stop_that_failed_on_one_node_starts_the_old_profile_again_where_it_di
 
 def test_a_second_switch_waits_for_the_transition_under_way_naming_it_then_coordinates(cluster):
     other = cluster.store("b")
-    theirs = {"to": "pd", "starting": ["pd"], "node": "b", "pid": 7, "tid": "t0"}
+    theirs = LockRecord("b", "pd", starting=("pd",), pid=7, tid="t0")
     assert other.acquire(other.grant(), theirs) is None
     alive = other.grant()
     for node in ("a", "b"):  # both agents are up (they carry out nothing here)
-        other.announce(node, alive, {"node": node})
+        other.announce(NodeRecord(node), alive)
     cfg = node_config(cluster.tmp / "a", "a")
     store = memory_store(cfg, cluster.kv)
     part = load_profile(cfg, "tp")
@@ -890,7 +892,7 @@ def test_a_second_switch_waits_for_the_transition_under_way_naming_it_then_coord
 def test_a_rollback_after_the_new_profile_started_stops_it_everywhere_then_starts_the_old_one(cluster):
     store = cluster.store()
     plan = tp_from_pd(node_config(cluster.tmp / "a"))
-    me = {"to": "tp", "starting": ["tp"], "node": "a", "pid": 1, "tid": "t1"}
+    me = LockRecord("a", "tp", starting=("tp",), pid=1, tid="t1")
     lease = store.grant()
     assert store.acquire(lease, me) is None
     roll_back(store, plan, list(plan.steps[:2]), me, True)
@@ -910,10 +912,10 @@ def test_a_rollback_after_the_new_profile_started_stops_it_everywhere_then_start
 def test_a_rollback_with_nothing_stopped_only_frees_the_lock(cluster):
     store = cluster.store()
     plan = tp_from_pd(node_config(cluster.tmp / "a"))
-    me = {"to": "tp", "starting": ["tp"], "node": "a", "pid": 1, "tid": "t1"}
+    me = LockRecord("a", "tp", starting=("tp",), pid=1, tid="t1")
     lease = store.grant()
     assert store.acquire(lease, me) is None
-    store.put_plan("t1", plan.to_json(), lease)
+    store.put_plan("t1", plan, lease)
     leases = set(store.kv.leases)
     roll_back(store, plan, [], me, False)
     assert store.holder() is None and store.current()[0] == "t1"  # type: ignore[index]
@@ -923,7 +925,7 @@ def test_a_rollback_with_nothing_stopped_only_frees_the_lock(cluster):
 def test_a_rollback_yields_to_a_transition_that_took_the_lock_first(cluster):
     store, other = cluster.store("a"), cluster.store("b")
     plan = tp_from_pd(node_config(cluster.tmp / "a"))
-    me = {"to": "tp", "starting": ["tp"], "node": "a", "pid": 1, "tid": "t1"}
+    me = LockRecord("a", "tp", starting=("tp",), pid=1, tid="t1")
     theirs = lock_and_plan(other, ClusterPlan("pd", (), (Step(1, "start", (NodeWork("b", "pd", ("decode",)),)),)),
                            tid="t7", instance="pd")
     roll_back(store, plan, [plan.steps[0]], me, False)
@@ -933,32 +935,61 @@ def test_a_rollback_yields_to_a_transition_that_took_the_lock_first(cluster):
 def test_a_failed_own_start_rolls_back_only_when_the_transition_had_stopped_something(cluster):
     store = cluster.store()
     plan = tp_from_pd(node_config(cluster.tmp / "a"))
-    me = {"to": "tp", "starting": ["tp"], "node": "a", "pid": 1, "tid": "t1"}
+    me = LockRecord("a", "tp", starting=("tp",), pid=1, tid="t1")
 
-    class Gate:
-        pass
-
-    gate = Gate()
-    gate.store, gate.transition = store, None  # type: ignore[attr-defined]
-    assert roll_back_failed_start(gate) == "" and store.holder() is None  # type: ignore[arg-type]
-    gate.transition = Transition(plan, (plan.steps[1],), me)  # type: ignore[attr-defined]  # verified, stopped nothing
-    assert roll_back_failed_start(gate) == "" and store.holder() is None  # type: ignore[arg-type]
+    assert roll_back_failed_start(store, None) == "" and store.holder() is None  # another node led it
+    verified_only = LedTransition(plan, (plan.steps[1],), me)  # verified, stopped nothing
+    assert roll_back_failed_start(store, verified_only) == "" and store.holder() is None
     assert store.acquire(store.grant(), me) is None
-    gate.transition = Transition(plan, plan.steps[:2], me)  # type: ignore[attr-defined]
-    said = roll_back_failed_start(gate)  # type: ignore[arg-type]
+    said = roll_back_failed_start(store, LedTransition(plan, plan.steps[:2], me))
     assert said == "rolling back: the agents stop tp on every node and start pd again"
     assert store.holder().to == "rollback of tp"  # type: ignore[union-attr]
     assert [s.action for s in store.current()[1].steps] == ["stop", "start"]  # type: ignore[index]
+
+
+def test_the_cluster_transition_keeps_what_it_led_and_rolls_exactly_that_back_when_its_own_start_fails(cluster):
+    """The rollback's state is the controller's ClusterTransition's (not the gate's): what it led
+    is kept from `prepare` to `roll_back`, and a failed start of our own part undoes it."""
+    from supervisord_gpu.controller.transition import ClusterTransition
+
+    publish_pd_running(cluster.store())
+    a, b = cluster.node("a").start(), cluster.node("b").start()
+    cfg = node_config(cluster.tmp / "a", "a")
+    store = memory_store(cfg, cluster.kv)
+    part = load_profile(cfg, "tp")
+    said: list[str] = []
+    rollback_holders: list[Any] = []
+    a.units.during[("start", "pd")] = lambda: rollback_holders.append(a.store.holder())
+
+    async def go() -> tuple[Any, str | None]:
+        gate = ClusterGate(store, part, "a", lambda _m, _p: None)
+        transition = ClusterTransition(part, cfg, NoGpus(), gate, lambda m, _p, _e: said.append(m))  # type: ignore[arg-type]
+        try:
+            await asyncio.wait_for(transition.prepare("checked", lambda _m: None), 3.0)
+            led = transition.led
+            await asyncio.wait_for(lock_released(store), 3.0)  # every node's part reported its start
+            return led, await transition.roll_back(StartError("tp: router did not become ready"), "tp failed")
+        finally:
+            gate.close()
+
+    led, reason = asyncio.run(go())
+    assert led is not None and [s.action for s in led.done] == ["stop", "verify"] and led.me.node == "a"
+    assert reason == "tp failed (cluster transition; rolling back: the agents stop tp on every node and start pd again)"
+    assert until(lambda: ("a", "start", "pd") in cluster.log and ("b", "start", "pd") in cluster.log), cluster.log
+    held = rollback_holders[0]
+    assert held.kind is TransitionKind.ROLLBACK and (held.target, held.starting) == ("tp", ("pd",)), held
+    assert [x for x in cluster.log if x[1] == "stop"][-2:] in ([("a", "stop", "tp"), ("b", "stop", "tp")],
+                                                               [("b", "stop", "tp"), ("a", "stop", "tp")])
 
 
 def test_a_profile_whose_every_process_is_stopped_or_failed_is_not_in_the_way(cluster):
     store = cluster.store()
     cfg = node_config(cluster.tmp / "a")
     lease = store.grant()
-    store.publish_process("pd", "a", "prefill", {"state": "stopped"}, lease)
-    store.publish_process("pd", "b", "decode", {"state": "failed"}, lease)
+    store.publish_process(ProcessRecord("pd", "a", "prefill", "stopped"), lease)
+    store.publish_process(ProcessRecord("pd", "b", "decode", "failed"), lease)
     assert running_profiles(store, cfg, "tp", lambda _m, _p: None) == []
-    store.publish_process("pd", "a", "router", {"state": "stopping"}, lease)  # still holds its port
+    store.publish_process(ProcessRecord("pd", "a", "router", "stopping"), lease)  # still holds its port
     assert [p.name for p in running_profiles(store, cfg, "tp", lambda _m, _p: None)] == ["pd"]
     assert running_profiles(store, cfg, "pd", lambda _m, _p: None) == []  # never in its own way
 
@@ -982,11 +1013,11 @@ def test_a_router_waits_for_its_server_on_another_node_to_be_ready_before_it_sta
     b = store.grant()
 
     async def go() -> None:
-        store.publish_process("pd", "b", "decode", {"state": "starting"}, b)
+        store.publish_process(ProcessRecord("pd", "b", "decode", "starting"), b)
         task = asyncio.ensure_future(gate.before_start(part.process("router")))
         await asyncio.sleep(0.15)
         assert not task.done()  # decode is only starting
-        store.publish_process("pd", "b", "decode", {"state": "ready"}, b)
+        store.publish_process(ProcessRecord("pd", "b", "decode", "ready"), b)
         await asyncio.wait_for(task, 1.0)
 
     try:
@@ -1004,7 +1035,7 @@ def test_a_start_whose_peer_is_not_ready_in_time_fails_naming_the_node_and_its_s
     gate, part, store = gate_for(tmp_path, kv)
     lease = store.grant()
     for process, state in published.items():
-        store.publish_process("pd", "b", process, {"state": state}, lease)
+        store.publish_process(ProcessRecord("pd", "b", process, state), lease)
     router = replace(part.process("router"), start_timeout_s=0.2)
     try:
         with pytest.raises(StartError) as e:
@@ -1021,11 +1052,11 @@ def test_a_prefill_stops_only_after_the_decode_on_the_other_node_stopped(tmp_pat
     b = store.grant()
 
     async def go() -> None:
-        store.publish_process("pd", "b", "decode", {"state": "stopping"}, b)
+        store.publish_process(ProcessRecord("pd", "b", "decode", "stopping"), b)
         task = asyncio.ensure_future(gate.before_stop([part.process("prefill")]))
         await asyncio.sleep(0.15)
         assert not task.done()
-        store.publish_process("pd", "b", "decode", {"state": "stopped"}, b)
+        store.publish_process(ProcessRecord("pd", "b", "decode", "stopped"), b)
         await asyncio.wait_for(task, 1.0)
 
     try:
@@ -1041,7 +1072,7 @@ def test_a_peer_whose_daemon_is_gone_counts_as_stopped(tmp_path):
     said: list[str] = []
     gate, part, store = gate_for(tmp_path, kv, said=said)
     b = store.grant()
-    store.publish_process("pd", "b", "decode", {"state": "ready"}, b)
+    store.publish_process(ProcessRecord("pd", "b", "decode", "ready"), b)
     kv.expire(b)  # b's daemon killed: its records went with its lease
     t0 = time.monotonic()
     try:
@@ -1055,8 +1086,8 @@ def test_a_stop_whose_peer_never_reports_stopped_goes_on_after_its_deadline_sayi
     kv = MemoryKV()
     said: list[str] = []
     gate, part, store = gate_for(tmp_path, kv, said=said)
-    store.publish_process("pd", "b", "decode", {"state": "ready"}, store.grant())
-    store.cfg = replace(store.cfg, lease_ttl_s=0)  # the deadline is the stop timeout plus the lease TTL
+    store.publish_process(ProcessRecord("pd", "b", "decode", "ready"), store.grant())
+    store.lease_ttl_s = 0  # the deadline is the stop timeout plus the lease TTL
     prefill = replace(part.process("prefill"), stop_timeout_s=0.2)
     try:
         asyncio.run(asyncio.wait_for(gate.before_stop([prefill]), 2.0))
@@ -1066,16 +1097,18 @@ def test_a_stop_whose_peer_never_reports_stopped_goes_on_after_its_deadline_sayi
 
 
 class Unreachable(MemoryKV):
+    """A store out of reach, as a backend says it: classified (cluster/dcs.py), never a library's error."""
+
     down = False
 
     def range(self, key: str, prefix: bool = False):  # type: ignore[no-untyped-def]
         if self.down:
-            raise ConnectionRefusedError(111, "Connection refused")
+            raise StoreUnreachable.because("connection refused")
         return super().range(key, prefix)
 
     def grant(self, ttl_s: int) -> int:
         if self.down:
-            raise ConnectionRefusedError(111, "Connection refused")
+            raise StoreUnreachable.because("connection refused")
         return super().grant(ttl_s)
 
 
@@ -1121,8 +1154,8 @@ def test_a_start_does_not_count_a_peer_ready_whose_daemon_went_after_it_was_seen
     kv = MemoryKV()
     gate, part, store = gate_for(tmp_path, kv, instance="pd2")
     decode, decode2 = store.grant(), store.grant()  # b's two servers, each its own daemon's lease here
-    store.publish_process("pd2", "b", "decode", {"state": "ready"}, decode)
-    store.publish_process("pd2", "b", "decode2", {"state": "starting"}, decode2)
+    store.publish_process(ProcessRecord("pd2", "b", "decode", "ready"), decode)
+    store.publish_process(ProcessRecord("pd2", "b", "decode2", "starting"), decode2)
     router = replace(part.process("router"), start_timeout_s=0.3)
     assert router.peers_before_start == ("b/decode", "b/decode2")
     real, reads = store.process_states, []
@@ -1132,7 +1165,7 @@ def test_a_start_does_not_count_a_peer_ready_whose_daemon_went_after_it_was_seen
         reads.append(got)
         if len(reads) == 1:  # after the first look: decode's daemon goes, decode2 becomes ready
             kv.expire(decode)
-            store.publish_process("pd2", "b", "decode2", {"state": "ready"}, decode2)
+            store.publish_process(ProcessRecord("pd2", "b", "decode2", "ready"), decode2)
         return got
 
     store.process_states = states  # type: ignore[method-assign]
@@ -1154,7 +1187,7 @@ def test_a_start_waiting_for_another_transitions_lock_waits_from_its_own_read_of
     since), and a release right after that read wakes it at once."""
     from supervisord_gpu.cluster.coordinator import _acquire
 
-    def _take_or_wait(store: ClusterStore, lease: int, me: dict[str, Any]) -> Any:
+    def _take_or_wait(store: ClusterStore, lease: int, me: LockRecord) -> Any:
         """As prepare_cluster_start waits: acquire in one worker thread, the watch in another."""
         box: list[Any] = []
         reader = threading.Thread(target=lambda: box.append(_acquire(store, lease, me)))
@@ -1162,7 +1195,7 @@ def test_a_start_waiting_for_another_transitions_lock_waits_from_its_own_read_of
         reader.join()
         held, seen = box[0]
         if held is not None:
-            store.watch_once(store.key("lock"), 1.0, seen)
+            store.watch_lock(1.0, seen)
         return held
 
     cfg = node_config(tmp_path, "a")
@@ -1171,10 +1204,10 @@ def test_a_start_waiting_for_another_transitions_lock_waits_from_its_own_read_of
     store.processes()  # this thread's last read: before the lock existed
     other = memory_store(cfg, kv)
     theirs = other.grant()
-    holder = {"to": "tp", "starting": ["tp"], "node": "b", "pid": 1, "tid": "tb0000000001"}
+    holder = LockRecord("b", "tp", starting=("tp",), pid=1, tid="tb0000000001")
     assert other.acquire(theirs, holder) is None
     mine = store.grant()
-    me = {"to": "pd", "starting": ["pd"], "node": "a", "pid": 2, "tid": "ta0000000001"}
+    me = LockRecord("a", "pd", starting=("pd",), pid=2, tid="ta0000000001")
     began = time.monotonic()
     held = _take_or_wait(store, mine, me)
     assert held is not None and held.node == "b"
@@ -1182,7 +1215,7 @@ def test_a_start_waiting_for_another_transitions_lock_waits_from_its_own_read_of
     # released between acquire's read and the watch: seen at once
     real_acquire = store.acquire
 
-    def acquire_then_release(lease: int, who: dict[str, Any]) -> Any:
+    def acquire_then_release(lease: int, who: LockRecord) -> Any:
         record = real_acquire(lease, who)
         other.release(holder)
         return record

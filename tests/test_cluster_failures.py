@@ -17,8 +17,10 @@ import pytest
 pytest.importorskip("etcd3gw")
 
 from supervisord_gpu.cluster import etcd as etcd_module  # noqa: E402
-from supervisord_gpu.cluster.failures import classify, clean  # noqa: E402
+from supervisord_gpu.cluster.dcs import LeaseNotFound, NotTheStore, StoreRefused, StoreUnreachable  # noqa: E402
+from supervisord_gpu.cluster.failures import classify, clean, failure  # noqa: E402
 from supervisord_gpu.cluster.kv import MemoryKV  # noqa: E402
+from supervisord_gpu.cluster.records import GpuRecord, NodeRecord  # noqa: E402
 from supervisord_gpu.cluster.store import ClusterStore, ClusterUnavailable  # noqa: E402
 from supervisord_gpu.config.model import ClusterConfig  # noqa: E402
 
@@ -83,25 +85,37 @@ def test_an_error_etcd_answers_is_kept_one_clean_line(etcd: tuple[str, Any]) -> 
 def test_a_bug_of_ours_is_a_bug_and_any_answer_is_etcds() -> None:
     """Our records become JSON before the request: a record of ours that cannot is a TypeError
     (a bug, raised as one), not "etcd cannot be reached", exit 4, retried for ever. Whatever is
-    raised once the request is under way is the answer's doing: one line, exit 4."""
+    raised once the request is under way is the answer's doing: the etcd backend classifies it
+    (one line, exit 4); a KV that let an unclassified exception out would be that KV's bug, and
+    the store does not dress it up as the store's fault."""
     s = ClusterStore(ClusterConfig(node="a", prefix="/supervisord-gpu"), kv=MemoryKV())
     lease = s.grant()
     with pytest.raises(TypeError):
-        s.announce("a", lease, {"node": "a", "gpus": {0, 1}})  # a set: json cannot
+        s.announce(NodeRecord("a", gpus=(GpuRecord(index={0, 1}),)), lease)  # type: ignore[arg-type]  # a set: json cannot
+
+    deep = failure(RecursionError("maximum recursion depth exceeded"))  # 100,000 nested brackets
+    assert isinstance(deep, NotTheStore) and deep.exit_code == 4
+    assert str(deep.during("http://e:2379", "reading the transition lock")) == (
+        "etcd at http://e:2379 did not answer as etcd (reading the transition lock): its answer does not fit (RecursionError)")
 
     class Odd(MemoryKV):
         def range(self, key: str, prefix: bool = False):  # type: ignore[no-untyped-def, override]
-            raise RecursionError("maximum recursion depth exceeded")  # 100,000 nested brackets
+            raise RecursionError("maximum recursion depth exceeded")
 
-    with pytest.raises(ClusterUnavailable, match=r"did not answer as etcd \(reading the transition lock\): "
-                                                 r"its answer does not fit \(RecursionError\)"):
+    with pytest.raises(RecursionError):
         ClusterStore(ClusterConfig(node="a", prefix="/supervisord-gpu"), kv=Odd()).holder()
 
 
-def test_the_fakes_lease_error_speaks_etcds_words() -> None:
+def test_a_write_bound_to_a_lease_the_store_does_not_know_is_refused_as_lease_not_found() -> None:
     s = ClusterStore(ClusterConfig(node="a", prefix="/supervisord-gpu"), kv=MemoryKV())
-    with pytest.raises(ClusterUnavailable, match=r"answered with an error \(publishing node a\): etcdserver: requested lease not found"):
-        s.announce("a", 12345, {"node": "a"})
+    with pytest.raises(LeaseNotFound, match=r"answered with an error \(publishing node a\): etcdserver: requested lease not found"):
+        s.announce(NodeRecord("a"), 12345)
+    from etcd3gw.exceptions import Etcd3Exception  # what etcd answers, classified alike by the etcd backend
+
+    said = failure(Etcd3Exception('{"error": "etcdserver: requested lease not found", "code": 5}', "Bad Request"))
+    assert isinstance(said, LeaseNotFound) and said.reason == "etcdserver: requested lease not found"
+    other = failure(Etcd3Exception('{"error": "etcdserver: permission denied", "code": 7}', "Forbidden"))
+    assert isinstance(other, StoreRefused) and not isinstance(other, LeaseNotFound)
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -216,6 +230,6 @@ def test_a_write_whose_answer_is_cut_off_is_not_repeated(etcd: tuple[str, Any]) 
     answer, said = _cut_off_then(whole=5)
     handler.answers = {"/v3/kv/txn": answer}
     store = store_at(url)
-    with pytest.raises(Exception, match="IncompleteRead|of 40 bytes"):  # urllib3 2 / 1.26 (Debian 12)
+    with pytest.raises(StoreUnreachable, match="its answer was cut off"):  # classified by the etcd backend
         store.kv.delete_if(store.key("lock"), b"x")
     assert said == ["cut"]

@@ -32,6 +32,7 @@ pytest.importorskip("etcd3gw")
 from supervisord_gpu.cluster import etcd as etcd_module  # noqa: E402
 from supervisord_gpu.cluster.failures import classify  # noqa: E402
 from supervisord_gpu.cluster.kv import MemoryKV  # noqa: E402
+from supervisord_gpu.cluster.records import GpuRecord, NodeRecord  # noqa: E402
 from supervisord_gpu.cluster.store import ClusterStore, ClusterUnavailable  # noqa: E402
 from supervisord_gpu.config.model import ClusterConfig  # noqa: E402
 from supervisord_gpu.rehearsal._http import StandinHTTPServer  # noqa: E402
@@ -211,7 +212,7 @@ def test_F3_a_record_we_cannot_serialise_is_our_bug_not_etcds() -> None:
     s = ClusterStore(ClusterConfig(node="a", prefix=PREFIX), kv=MemoryKV())
     lease = s.grant()
     with pytest.raises(TypeError):
-        s.announce("a", lease, {"node": "a", "parts": {"x", "y"}})  # a set: ours, no etcd involved
+        s.announce(NodeRecord("a", gpus=(GpuRecord(index={0, 1}),)), lease)  # type: ignore[arg-type]  # a set: ours, no etcd involved
 
 
 # F4. Slow: no deadline for a whole call, no bound on what is read.

@@ -29,6 +29,7 @@ from supervisord_gpu.cluster.coordinator import _plan_agrees, running_profiles
 from supervisord_gpu.cluster.gate import ClusterGate
 from supervisord_gpu.cluster.kv import MemoryKV
 from supervisord_gpu.cluster.plan import plan_switch
+from supervisord_gpu.cluster.records import LockRecord, NodeRecord
 from supervisord_gpu.cluster.store import ClusterStore, NodeLost, StepFailed
 from supervisord_gpu.config.loader import load_profile
 from supervisord_gpu.errors import StartError
@@ -185,7 +186,7 @@ def test_fuzz_the_agent(cfg):
         agent.lease = store.grant()
         agent.stopping.set()  # a wait for another node's report gives up at once: one turn
         for node in ("a", "b"):
-            store.announce(node, agent.lease, {"node": node})
+            store.announce(NodeRecord(node), agent.lease)
         fill(rng, kv, t, kv.grant(30))
         agent.once()
         assert agent.internal_errors == 0, (i, said)
@@ -245,7 +246,7 @@ def test_fuzz_the_coordinator(cfg):
         if holder is not None:
             _plan_agrees(store, holder, "tp", "a")
         running_profiles(store, cfg, "tp", lambda _m, _p: None)
-        me = {"node": "a", "to": "tp", "starting": ["tp"], "pid": 1, "tid": "t9"}
+        me = LockRecord("a", "tp", starting=("tp",), pid=1, tid="t9")
         if store.acquire(lease, me) is None:
             taken += 1
             store.release(me)

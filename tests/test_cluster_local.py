@@ -19,6 +19,7 @@ import pytest
 
 from etcd_server import EtcdServer, history
 from supervisord_gpu.cluster.plan import ClusterPlan, NodeWork, Step
+from supervisord_gpu.cluster.records import LockRecord
 from supervisord_gpu.cluster.store import ClusterStore
 from supervisord_gpu.config.model import ClusterConfig
 from support import CgroupSandbox, free_ports, wait_for, write_config
@@ -96,10 +97,10 @@ def test_pd_across_two_nodes_starts_and_stops_in_one_order_through_etcd(tmp_path
     ports = free_ports(5)
     store = ClusterStore(ClusterConfig(node="t", etcd=(etcd.url,), prefix="/t", lease_ttl_s=30))
     lease = store.grant()
-    assert store.acquire(lease, {"to": "pd", "starting": ["pd"], "node": "t", "tid": "t1"}) is None
+    assert store.acquire(lease, LockRecord("t", "pd", starting=("pd",), tid="t1")) is None
     # the lock's transition and its plan, under the lock's lease, as a coordinator writes them
     start = Step(1, "start", (NodeWork("a", "pd", ()), NodeWork("b", "pd", ())))
-    store.put_plan("t1", ClusterPlan("pd", (), (start,)).to_json(), lease)
+    store.put_plan("t1", ClusterPlan("pd", (), (start,)), lease)
     other = CgroupSandbox()
     a = b = None
     try:

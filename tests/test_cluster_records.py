@@ -18,13 +18,13 @@ from supervisord_gpu.cluster.coordinator import prepare_cluster_start, running_p
 from supervisord_gpu.cluster.gate import ClusterGate
 from supervisord_gpu.cluster.kv import MemoryKV
 from supervisord_gpu.cluster.plan import ClusterPlan, NodeWork, Step
-from supervisord_gpu.cluster.records import BadRecord, parse_plan
+from supervisord_gpu.cluster.records import BadRecord, LockRecord, NodeRecord, parse_plan
 from supervisord_gpu.cluster.store import ClusterStore
 from supervisord_gpu.config.loader import load_profile
 
 
-def stop_plan(instance: str, node: str = "a") -> dict:
-    return ClusterPlan(instance, (instance,), (Step(1, "stop", (NodeWork(node, instance, ()),)),)).to_json()
+def stop_plan(instance: str, node: str = "a") -> ClusterPlan:
+    return ClusterPlan(instance, (instance,), (Step(1, "stop", (NodeWork(node, instance, ()),)),))
 
 
 def agent_for(tmp_path, said: list[str]):  # type: ignore[no-untyped-def]
@@ -46,7 +46,7 @@ def test_a_plan_that_is_not_json_is_named_once_and_the_agent_goes_on(tmp_path):
     assert agent.internal_errors == 0 and agent.units.calls == []
     assert said == ["ignoring etcd record '/c/transitions/t1/plan': not JSON"], said
     kv.put("/c/current", "t2")  # the next genuine transition is carried out as ever
-    kv.put("/c/transitions/t2/plan", json.dumps(stop_plan("pd")))
+    kv.put("/c/transitions/t2/plan", json.dumps(stop_plan("pd").to_json()))
     agent.once()
     assert agent.units.calls == [("stop", "pd")] and store.reports("t2", 1)["a"].state == "done"
 
@@ -59,7 +59,7 @@ def test_a_plan_naming_what_is_not_a_profile_spanning_nodes_here_is_never_obeyed
     said: list[str] = []
     agent, _, kv = agent_for(tmp_path, said)
     kv.put("/c/current", "t1")
-    kv.put("/c/transitions/t1/plan", json.dumps(stop_plan(instance)))
+    kv.put("/c/transitions/t1/plan", json.dumps(stop_plan(instance).to_json()))
     agent.once()
     assert agent.units.calls == [] and agent.internal_errors == 0
     assert any(m.startswith("ignoring transition t1: " + why) for m in said), said
@@ -76,7 +76,7 @@ def test_a_plan_naming_what_is_not_a_profile_spanning_nodes_here_is_never_obeyed
     (lambda p: p["steps"][0]["work"][0].update(processes=[1]), "processes[0]: must be a string"),
 ])
 def test_a_plan_that_does_not_fit_is_refused_whole_naming_what(mutate, words):
-    plan = stop_plan("pd")
+    plan = stop_plan("pd").to_json()
     mutate(plan)
     with pytest.raises(BadRecord) as e:
         parse_plan("/c/transitions/t1/plan", json.dumps(plan))
@@ -98,7 +98,7 @@ def test_a_lock_bound_to_no_lease_is_no_lock_and_is_taken_over(tmp_path):
     store = memory_store(node_config(tmp_path), said=said)
     store.kv.put("/c/lock", json.dumps({"node": "z", "to": "x", "starting": ["tp"]}))  # no lease: would never go
     assert store.holder() is None
-    me = {"node": "a", "to": "tp", "pid": 1, "tid": "t1"}
+    me = LockRecord("a", "tp", pid=1, tid="t1")
     assert store.acquire(store.grant(), me) is None  # taken, not waited on forever
     held = store.holder()
     assert held is not None and held.node == "a" and held.lease
@@ -111,9 +111,9 @@ def test_a_lock_whose_holders_lease_is_gone_is_free(tmp_path):
     kv = MemoryKV()
     store = memory_store(node_config(tmp_path), kv)
     lease = store.grant()
-    assert store.acquire(lease, {"node": "b"}) is None
+    assert store.acquire(lease, LockRecord("b")) is None
     kv.expire(lease)
-    assert store.holder() is None and store.acquire(store.grant(), {"node": "a"}) is None
+    assert store.holder() is None and store.acquire(store.grant(), LockRecord("a")) is None
 
 
 def test_stray_process_records_never_fail_another_profiles_start(tmp_path):
@@ -143,7 +143,7 @@ def start_part(tmp_path, store: ClusterStore, name: str = "tp", run_for: float =
 
     alive = store.grant()
     for node in ("a", "b"):  # both nodes' agents are up (they carry out no step here)
-        store.announce(node, alive, {"node": node})
+        store.announce(NodeRecord(node), alive)
 
     async def go() -> None:
         gate = ClusterGate(store, part, "a", lambda m, _p: said.append(m))
@@ -188,14 +188,14 @@ def test_a_genuine_transition_still_lets_its_participants_only_verify(tmp_path):
     store = memory_store(node_config(tmp_path))
     lease = store.grant()
     plan = ClusterPlan("tp", (), (Step(1, "start", (NodeWork("a", "tp", ("big", "router")), NodeWork("b", "tp", ("big",)))),))
-    assert store.acquire(lease, {"node": "b", "to": "tp", "starting": ["tp"], "tid": "t3"}) is None
-    store.put_plan("t3", plan.to_json(), lease)
+    assert store.acquire(lease, LockRecord("b", "tp", starting=("tp",), tid="t3")) is None
+    store.put_plan("t3", plan, lease)
     verified, said = start_part(tmp_path, store)
     assert verified == [True], said
     # a live lock whose transition has no plan is forged (a coordinator writes the plan before any
     # daemon it starts looks): it is not believed; the daemon waits for it like any other transition
     bare = memory_store(node_config(tmp_path))
-    assert bare.acquire(bare.grant(), {"node": "t", "to": "tp", "starting": ["tp"], "tid": "t1"}) is None
+    assert bare.acquire(bare.grant(), LockRecord("t", "tp", starting=("tp",), tid="t1")) is None
     verified, said = start_part(tmp_path, bare, run_for=1.0)
     assert verified == [] and any("waiting for the cluster transition to tp" in m for m in said), said
 

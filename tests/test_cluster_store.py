@@ -9,6 +9,7 @@ import pytest
 
 from etcd_server import EtcdServer
 from supervisord_gpu.cluster.plan import ClusterPlan
+from supervisord_gpu.cluster.records import LockRecord, NodeRecord, StepReport
 from supervisord_gpu.cluster.store import ClusterStore, ClusterUnavailable, NodeLost, StepFailed
 from supervisord_gpu.config.model import ClusterConfig
 
@@ -29,15 +30,15 @@ def store(etcd, ttl: int = 2) -> ClusterStore:  # type: ignore[no-untyped-def]
 def test_the_lock_names_its_holder_and_frees_itself_when_the_holder_dies(etcd):
     a, b = store(etcd), store(etcd)
     lease_a, lease_b = a.grant(), b.grant()
-    me = {"node": "a", "to": "tp", "pid": 1}
+    me = LockRecord("a", "tp", pid=1)
     assert a.acquire(lease_a, me) is None
-    held = b.acquire(lease_b, {"node": "b", "to": "pd", "pid": 2})  # the loser is told who won
+    held = b.acquire(lease_b, LockRecord("b", "pd", pid=2))  # the loser is told who won
     assert held is not None and (held.node, held.to, held.pid, held.lease) == ("a", "tp", 1, lease_a)
-    b.release({"node": "b", "to": "pd", "pid": 2})  # not its lock: nothing happens
+    b.release(LockRecord("b", "pd", pid=2))  # not its lock: nothing happens
     assert a.holder() == held
     time.sleep(3.5)  # a stops renewing (dead): its lease, and the lock with it, expire
-    assert b.holder() is None and b.acquire(lease_b := b.grant(), {"node": "b"}) is None
-    b.release({"node": "b"})
+    assert b.holder() is None and b.acquire(lease_b := b.grant(), LockRecord("b")) is None
+    b.release(LockRecord("b"))
     assert b.holder() is None
 
 
@@ -63,8 +64,8 @@ def test_releasing_the_lock_is_one_delete_that_no_reader_sees_half_done(etcd):
     t = threading.Thread(target=read)
     t.start()
     for i in range(30):
-        assert a.acquire(lease, {"node": "a", "to": "tp", "pid": i}) is None
-        a.release({"node": "a", "to": "tp", "pid": i})
+        assert a.acquire(lease, LockRecord("a", "tp", pid=i)) is None
+        a.release(LockRecord("a", "tp", pid=i))
     done.set()
     t.join()
     assert not seen, seen
@@ -86,10 +87,10 @@ def test_releasing_the_lock_is_one_delete_that_no_reader_sees_half_done(etcd):
 def test_a_node_whose_agent_stops_renewing_is_gone_and_a_waiting_step_names_it(etcd):
     s = store(etcd)
     alive, dying = s.grant(), s.grant()
-    s.announce("a", alive, {"parts": {}})
-    s.announce("b", dying, {"parts": {}})
+    s.announce(NodeRecord("a"), alive)
+    s.announce(NodeRecord("b"), dying)
     assert set(s.nodes()) == {"a", "b"}
-    s.report("t1", 1, "a", {"state": "done"}, alive)
+    s.report("t1", 1, "a", StepReport("done"), alive)
     t0 = time.monotonic()
     with pytest.raises(NodeLost, match="node 'b' was lost during step 1"):
         for _ in range(20):  # a keeps renewing, b does not; 10 s at most
@@ -106,16 +107,16 @@ def test_a_step_settles_when_every_node_reported_and_a_failure_names_node_and_re
     s = store(etcd, ttl=30)
     lease = s.grant()
     for node in ("a", "b"):
-        s.announce(node, lease, {})
-    s.report("t2", 1, "a", {"state": "done"}, lease)
+        s.announce(NodeRecord(node), lease)
+    s.report("t2", 1, "a", StepReport("done"), lease)
     with pytest.raises(TimeoutError, match="waiting for b"):
         s.wait_step("t2", 1, ("a", "b"), time.monotonic() + 0.3)
-    s.report("t2", 1, "b", {"state": "done"}, lease)
+    s.report("t2", 1, "b", StepReport("done"), lease)
     assert set(s.wait_step("t2", 1, ("a", "b"), time.monotonic() + 5)) == {"a", "b"}
-    s.report("t2", 2, "b", {"state": "failed", "reason": "GPU 0 held by pid 4242 (user eve)"}, lease)
+    s.report("t2", 2, "b", StepReport("failed", "GPU 0 held by pid 4242 (user eve)"), lease)
     with pytest.raises(StepFailed, match="step 2 failed on node 'b': GPU 0 held by pid 4242"):
         s.wait_step("t2", 2, ("a", "b"), time.monotonic() + 5)
-    s.put_plan("t2", {"target": "tp", "steps": []}, lease)
+    s.put_plan("t2", ClusterPlan("tp", (), ()), lease)
     assert s.current() == ("t2", ClusterPlan("tp", (), ()))
 
 

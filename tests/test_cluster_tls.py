@@ -21,6 +21,7 @@ import etcd_pki
 from etcd_pki import PASSWORD, b64, make_pki
 from etcd_server import EtcdServer, Tls
 from supervisord_gpu.cluster.plan import ClusterPlan
+from supervisord_gpu.cluster.records import LockRecord, NodeRecord, ProcessRecord, StepReport
 from supervisord_gpu.cluster.store import ClusterStore, ClusterUnavailable
 from supervisord_gpu.config.loader import load_daemon_config
 from supervisord_gpu.config.model import ClusterConfig
@@ -68,14 +69,14 @@ def config(server: EtcdServer, pki: Path, **changes: object) -> ClusterConfig:
 def test_our_client_with_the_right_files_does_all_a_transition_needs(etcd, pki):
     store = ClusterStore(config(etcd, pki))
     lease = store.grant()
-    store.announce("a", lease, {"node": "a", "pid": 1})
-    me = {"node": "a", "to": "tp", "starting": ["tp"], "pid": 1, "tid": "t1"}
+    store.announce(NodeRecord("a", pid=1), lease)
+    me = LockRecord("a", "tp", starting=("tp",), pid=1, tid="t1")
     assert store.acquire(lease, me) is None and store.holder() is not None
-    store.put_plan("t1", ClusterPlan("tp", (), ()).to_json(), lease)
+    store.put_plan("t1", ClusterPlan("tp", (), ()), lease)
     assert store.current() == ("t1", ClusterPlan("tp", (), ()))
-    store.report("t1", 1, "a", {"state": "done"}, lease)
+    store.report("t1", 1, "a", StepReport("done"), lease)
     assert set(store.wait_step("t1", 1, ("a",), time.monotonic() + 5)) == {"a"}
-    store.publish_process("tp", "a", "router", {"state": "ready"}, lease)
+    store.publish_process(ProcessRecord("tp", "a", "router", "ready"), lease)
     assert store.process_states("tp") == {"a/router": "ready"} and set(store.nodes()) == {"a"}
     assert store.refresh(lease)
     store.release(me)

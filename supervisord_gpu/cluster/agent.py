@@ -25,8 +25,9 @@ from ..config.loader import load_profile
 from ..config.model import DaemonConfig, Profile
 from ..errors import SupervisorError
 from ..names import service_name
+from .dcs import DCS, ClusterUnavailable, NodeLost, StepFailed
 from .plan import ClusterPlan, Step, _placed
-from .store import ClusterStore, ClusterUnavailable, NodeLost, StepFailed
+from .records import GpuRecord, NodeRecord, StepReport, TransitionKind
 
 STEP_WAIT_S = 3600.0  # the previous step's own deadlines (the coordinator's) end it sooner
 
@@ -58,7 +59,7 @@ class Units:
 
 
 class NodeAgent:
-    def __init__(self, cfg: DaemonConfig, store: ClusterStore, units: Any, inventory: GpuInventory,
+    def __init__(self, cfg: DaemonConfig, store: DCS, units: Any, inventory: GpuInventory,
                  say: Callable[[str, int], None]) -> None:
         self.cfg, self.store, self.units, self.inventory, self.say = cfg, store, units, inventory, say
         self.node = cfg.cluster.node
@@ -103,7 +104,7 @@ class NodeAgent:
                     self.say(f"ignoring transition {tid}: {problem}", 3)
                 else:
                     self.carry_out(tid, plan)
-            self.store.watch_once(self.store.key("current"), max(0.5, self.cfg.cluster.lease_ttl_s / 3), since=read)
+            self.store.watch_current(max(0.5, self.cfg.cluster.lease_ttl_s / 3), since=read)
         except ClusterUnavailable as e:
             self.say(f"{e}; no cross-node change can start, what runs keeps running", 4)
             self.stopping.wait(2.0)
@@ -149,17 +150,16 @@ class NodeAgent:
     def announce(self) -> None:
         """This node's record: its dsv4@ units and its GPUs by its own NVML, for `status --cluster`."""
         try:
-            parts = self.units.states()
+            parts: dict[str, str] = self.units.states()
         except SupervisorError:
             parts = {}
-        gpus: list[dict[str, Any]]
+        gpus: tuple[GpuRecord, ...]
         try:
-            gpus = [{"index": g.index, "in_use_mib": g.in_use_mib, "total_mib": g.total_mib, "idle": g.idle}
-                    for g in self.inventory.snapshot()]
+            gpus = tuple(GpuRecord(g.index, g.in_use_mib, g.total_mib, g.idle) for g in self.inventory.snapshot())
         except SupervisorError as e:
-            gpus = [{"error": str(e).splitlines()[0]}]
-        self.store.announce(self.node, self.lease, {"node": self.node, "pid": os.getpid(), "parts": parts,
-                                                    "gpus": gpus, "at": time.time()})
+            gpus = (GpuRecord(error=str(e).splitlines()[0]),)
+        self.store.announce(NodeRecord(self.node, os.getpid(), tuple(sorted(parts.items())), gpus, time.time()),
+                            self.lease)
 
     # -- a transition ------------------------------------------------------------------------
 
@@ -181,8 +181,8 @@ class NodeAgent:
                 self.say(f"transition {tid} to {plan.target}: step {step.number}: {step.describe().splitlines()[0]}", 6)
                 result = self.do(step)
                 self.store.report(tid, step.number, self.node, result, self.lease)
-                if result["state"] != "done":
-                    self.say(f"step {step.number} failed here: {result['reason']}", 3)
+                if result.state != "done":
+                    self.say(f"step {step.number} failed here: {result.reason}", 3)
                     return
             previous = step
         self._release_if_finished(tid, plan)
@@ -197,14 +197,14 @@ class NodeAgent:
         """A plan nobody coordinates any more (a rollback) ends with its last step: whoever
         sees every node's report of it frees the lock, if the lock is still that plan's."""
         holder = self.store.holder()
-        if not holder or holder.tid != tid or not plan.steps or not holder.to.startswith("rollback"):
+        if not holder or holder.tid != tid or not plan.steps or holder.kind is not TransitionKind.ROLLBACK:
             return
         last = plan.steps[-1]
         if set(self.store.reports(tid, last.number)) >= set(last.nodes()):
             self.store.release(holder)
             self.say(f"{plan.target}: done on {', '.join(last.nodes())}; cluster lock released", 6)
 
-    def do(self, step: Step) -> dict[str, Any]:
+    def do(self, step: Step) -> StepReport:
         mine = [w for w in step.work if w.node == self.node]
         try:
             for work in mine:
@@ -216,10 +216,10 @@ class NodeAgent:
                 else:
                     why = self.verify(work.instance)
                 if why:
-                    return {"state": "failed", "reason": why}
+                    return StepReport("failed", why)
         except SupervisorError as e:
-            return {"state": "failed", "reason": str(e).splitlines()[0]}
-        return {"state": "done", "at": time.time()}
+            return StepReport("failed", str(e).splitlines()[0])
+        return StepReport("done", at=time.time())
 
     def verify(self, instance: str) -> str:
         """This node's part of `instance`: its GPUs idle by our own NVML, its ports free."""

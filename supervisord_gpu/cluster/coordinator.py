@@ -12,6 +12,10 @@ a cluster profile its pre-flight is this instead of the single-machine takeover:
    agents start theirs. A step that fails, or a node lost on the way, fails the start naming
    the node; what was stopped is started again (rollback), by the agents, under a lock of its
    own so that nothing else starts in between.
+
+What the coordinator must remember for a later rollback (its plan, the steps done, its lock) is
+returned as a `LedTransition`, kept by the controller's ClusterTransition (controller/transition.py)
+until the start succeeded or failed; nothing of it is left on the gate.
 """
 
 from __future__ import annotations
@@ -21,26 +25,34 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
-
-from ..records import dataclass
 
 from ..checks.gpus import GpuInventory
 from ..config.loader import load_profile
 from ..config.model import DaemonConfig, Profile
 from ..errors import PreconditionError, StartError, SupervisorError, TakeoverFailed
+from ..records import dataclass
+from .dcs import DCS, NodeLost, StepFailed
 from .gate import ClusterGate, in_worker
 from .plan import ClusterPlan, NodeWork, Step, plan_switch
-from .records import LockRecord
-from .store import ClusterStore, NodeLost, StepFailed
+from .records import LockRecord, TransitionKind
 
 STOP_STEP_DEADLINE_S = 900.0
 VERIFY_SLACK_S = 30.0
 ROLLBACK_LOCK_TTL_S = 300
 
 
-def _acquire(store: ClusterStore, lease: int, me: dict[str, Any]) -> tuple[LockRecord | None, int]:
+@dataclass(frozen=True)
+class LedTransition:
+    """What the coordinating daemon remembers of the transition it led, for a rollback."""
+
+    plan: ClusterPlan
+    done: tuple[Step, ...]
+    me: LockRecord
+
+
+def _acquire(store: DCS, lease: int, me: LockRecord) -> tuple[LockRecord | None, int]:
     """Take the lock, or say who holds it, with the revision of acquire's own read of it: the
     wait for its release follows on from that read. Without it the wait followed on from
     whatever its (other) worker thread had read last: an old revision woke it at once, none
@@ -51,23 +63,25 @@ def _acquire(store: ClusterStore, lease: int, me: dict[str, Any]) -> tuple[LockR
 
 async def prepare_cluster_start(part: Profile, cfg: DaemonConfig, inventory: GpuInventory, gate: ClusterGate,
                                 say: Callable[[str, int], None], progress: Callable[[str], None],
-                                verify_locally: Callable[[], Any]) -> None:
+                                verify_locally: Callable[[], Awaitable[Any]]) -> LedTransition | None:
+    """Make room for `part` across the cluster; what was led (for a rollback of our own failed
+    start), or None when another node coordinates and this one only verified."""
     store = gate.store
     holder = await asyncio.to_thread(store.holder)  # a genuine lock only: bound to a live lease, well-formed
     if holder and part.name in holder.starting and await asyncio.to_thread(_plan_agrees, store, holder, part.name,
                                                                            cfg.cluster.node):
         progress(f"cluster transition to {part.name} (coordinated by node {holder.node}): verifying this node")
         await verify_locally()
-        return
+        return None
     whole = await asyncio.to_thread(load_profile, cfg, part.name, True)
     tid = "t" + uuid.uuid4().hex[:12]  # never a JSON number
-    me = {"to": part.name, "starting": [part.name], "node": cfg.cluster.node, "pid": os.getpid(), "tid": tid}
+    me = LockRecord(cfg.cluster.node, part.name, TransitionKind.SWITCH, (part.name,), os.getpid(), tid)
     while True:
         held, seen = await asyncio.to_thread(_acquire, store, gate.lease, me)
         if held is None:
             break
         progress(f"waiting for the cluster transition to {held.to} (coordinated by node {held.node})")
-        await asyncio.to_thread(store.watch_once, store.key("lock"), 1.0, seen)
+        await asyncio.to_thread(store.watch_lock, 1.0, seen)
     try:
         running = await asyncio.to_thread(running_profiles, store, cfg, part.name, say)
     except SupervisorError:
@@ -75,7 +89,7 @@ async def prepare_cluster_start(part: Profile, cfg: DaemonConfig, inventory: Gpu
         raise
     plan = plan_switch(whole, running)
     say(plan.render(), 6)
-    await asyncio.to_thread(store.put_plan, tid, plan.to_json(), gate.lease)
+    await asyncio.to_thread(store.put_plan, tid, plan, gate.lease)
     done: list[Step] = []
     step: Step | None = None
     try:
@@ -100,11 +114,11 @@ async def prepare_cluster_start(part: Profile, cfg: DaemonConfig, inventory: Gpu
         reason = (f"cluster transition to {part.name} failed: {e}"
                   + (f"; rolling back: the agents start {', '.join(plan.stopping)} again" if stopped else ""))
         raise (TakeoverFailed(reason) if stopped else PreconditionError(reason)) from None
-    gate.transition = Transition(plan, tuple(done), me)
     asyncio.get_running_loop().create_task(_release_when_started(store, plan, tid, me, say, gate.closing))
+    return LedTransition(plan, tuple(done), me)
 
 
-def stopped_where_it_could(store: ClusterStore, tid: str, step: Step) -> Step | None:
+def stopped_where_it_could(store: DCS, tid: str, step: Step) -> Step | None:
     """The part of a stop step that failed which is to start again: the nodes that reported
     it done (their part is stopped). Not the node whose stop failed: whether its unit still
     runs is unknown (a refused stop left it running; the failure names the node and the
@@ -115,7 +129,7 @@ def stopped_where_it_could(store: ClusterStore, tid: str, step: Step) -> Step | 
     return Step(step.number, step.action, work) if work else None
 
 
-def _plan_agrees(store: ClusterStore, holder: LockRecord, instance: str, node: str) -> bool:
+def _plan_agrees(store: DCS, holder: LockRecord, instance: str, node: str) -> bool:
     """A lock that names a transition with a plan proves it only if that plan is bound to the
     lock's own lease and starts `instance` on this node; a plan of another lease, or a bad one,
     means the lock is not what it says (someone wrote it beside a real transition)."""
@@ -131,7 +145,7 @@ def _plan_agrees(store: ClusterStore, holder: LockRecord, instance: str, node: s
                                                                      for w in s.work) for s in plan.steps)
 
 
-def running_profiles(store: ClusterStore, cfg: DaemonConfig, starting: str, say: Callable[[str, int], None]) -> list[Profile]:
+def running_profiles(store: DCS, cfg: DaemonConfig, starting: str, say: Callable[[str, int], None]) -> list[Profile]:
     """The whole profiles that run on the cluster now (but `starting`), by their daemons' records.
     A record of an instance that is no profile spanning nodes here (a stray record, a single-machine
     name) is named and left out: it can never fail another profile's start. Left out, what really
@@ -152,31 +166,21 @@ def running_profiles(store: ClusterStore, cfg: DaemonConfig, starting: str, say:
     return out
 
 
-@dataclass(frozen=True)
-class Transition:
-    """What the coordinating daemon remembers of the transition it led, for a rollback."""
-
-    plan: ClusterPlan
-    done: tuple[Step, ...]
-    me: dict[str, Any]
-
-
-def roll_back_failed_start(gate: ClusterGate) -> str:
-    """Our own start failed after the transition had stopped what was in the way: the agents
+def roll_back_failed_start(store: DCS, t: LedTransition | None) -> str:
+    """Our own start failed after the transition `t` had stopped what was in the way: the agents
     stop the new profile's parts everywhere, then start the old ones again. Returns what is said."""
-    t: Transition | None = gate.transition
     if t is None or not any(s.action == "stop" for s in t.done):
         return ""
-    roll_back(gate.store, t.plan, list(t.done), t.me, True)
+    roll_back(store, t.plan, list(t.done), t.me, True)
     return f"rolling back: the agents stop {t.plan.target} on every node and start {', '.join(t.plan.stopping)} again"
 
 
-async def waited(store: ClusterStore, tid: str, step: Step, deadline: float, closing: threading.Event) -> Any:
+async def waited(store: DCS, tid: str, step: Step, deadline: float, closing: threading.Event) -> Any:
     """store.wait_step in a worker thread that ends when we are cancelled or the daemon exits."""
     return await in_worker(lambda aborted: store.wait_step(tid, step.number, step.nodes(), deadline, aborted), closing)
 
 
-async def _release_when_started(store: ClusterStore, plan: ClusterPlan, tid: str, me: dict[str, Any],
+async def _release_when_started(store: DCS, plan: ClusterPlan, tid: str, me: LockRecord,
                                 say: Callable[[str, int], None], closing: threading.Event) -> None:
     """The lock is held until every node's part reported its start (ready or failed)."""
     start = plan.steps[-1]
@@ -194,7 +198,7 @@ async def _release_when_started(store: ClusterStore, plan: ClusterPlan, tid: str
             pass
 
 
-def roll_back(store: ClusterStore, plan: ClusterPlan, done: list[Step], me: dict[str, Any], stop_target: bool) -> None:
+def roll_back(store: DCS, plan: ClusterPlan, done: list[Step], me: LockRecord, stop_target: bool) -> None:
     """Start again what the failed transition stopped, on every node, by the agents (after
     stopping the new profile's parts, when they had started); under a lock of its own (a lease
     that outlives us), so that nothing else starts in between."""
@@ -204,8 +208,8 @@ def roll_back(store: ClusterStore, plan: ClusterPlan, done: list[Step], me: dict
         return
     lease = store.grant(ROLLBACK_LOCK_TTL_S)
     tid = "t" + uuid.uuid4().hex[:12]  # never a JSON number
-    rollback = {"to": f"rollback of {plan.target}", "starting": [s.work[0].instance for s in stopped],
-                "node": me["node"], "pid": me["pid"], "tid": tid}
+    rollback = LockRecord(me.node, plan.target, TransitionKind.ROLLBACK, tuple(s.work[0].instance for s in stopped),
+                          me.pid, tid)
     if store.acquire(lease, rollback) is not None:
         return  # someone else's transition came first: it decides what runs now
     steps: list[Step] = []
@@ -213,4 +217,4 @@ def roll_back(store: ClusterStore, plan: ClusterPlan, done: list[Step], me: dict
         steps.append(Step(1, "stop", plan.steps[-1].work))
     for s in stopped:
         steps.append(Step(len(steps) + 1, "start", tuple(NodeWork(w.node, w.instance, w.processes) for w in s.work)))
-    store.put_plan(tid, ClusterPlan(f"rollback of {plan.target}", (), tuple(steps)).to_json(), lease)
+    store.put_plan(tid, ClusterPlan(rollback.to, (), tuple(steps)), lease)

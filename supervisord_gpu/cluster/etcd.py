@@ -35,29 +35,23 @@ import base64
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
 from ..config.model import ClusterConfig
+from ..errors import SupervisorError
 from .credentials import checked, read_password
+from .failures import AnswerCutOff, AnswerEncoded, AnswerTooLarge, failure
 from .kv import Entry
+
 
 ETCD_REQUEST_TIMEOUT_S = 3.0
 #: the most an answer may hold, decompressed (etcd's own default request limit is 1.5 MiB)
 ANSWER_MAX = 4 << 20
 
 
-class AnswerTooLarge(Exception):
-    """An answer over ANSWER_MAX: not etcd's (cluster/failures.py)."""
-
-
-class AnswerEncoded(Exception):
-    """A compressed answer, though we ask for none: not etcd's (cluster/failures.py)."""
-
-
-class AnswerCutOff(Exception):
-    """An answer that ended before its Content-Length: the connection went in mid-answer.
-    urllib3 2 says so itself; Debian 12's urllib3 1.26 hands over the short body as if whole."""
 #: etcd's tokens are short ASCII (simple or JWT); anything else is not etcd's login answer
 _TOKEN_MAX = 8192
 
@@ -227,9 +221,22 @@ def _message(r: Any) -> str:
         return str(r.text)[:200]
 
 
+@contextmanager
+def _classified() -> Iterator[None]:
+    """Whatever a request raised, as our typed error (cluster/failures.py): whoever answers on
+    etcd's port chooses the exception, and none may leave the backend as it came."""
+    try:
+        yield
+    except SupervisorError:
+        raise  # ours already (a password file that cannot be read)
+    except Exception as e:  # noqa: BLE001 - classified by type in cluster/failures.py
+        raise failure(e) from None
+
+
 class EtcdKV:
-    """One etcd endpoint through its JSON gateway; raises etcd3gw's and requests' errors (the
-    store turns each into one ClusterUnavailable) and PermissionError for a refused login."""
+    """One etcd endpoint through its JSON gateway. Every failure leaves it classified, as one of
+    cluster/dcs.py's ClusterUnavailable kinds (StoreUnreachable, StoreRefused, LeaseNotFound,
+    NotTheStore), with the reason in our words; the store says where and while doing what."""
 
     def __init__(self, cfg: ClusterConfig) -> None:
         from etcd3gw.client import Etcd3Client  # only cluster work pays for requests and etcd3gw
@@ -262,21 +269,30 @@ class EtcdKV:
         return Lease(lease, client=self.client) if lease else None
 
     def grant(self, ttl_s: int) -> int:
-        return int(self.client.lease(ttl_s).id)
+        with _classified():
+            return int(self.client.lease(ttl_s).id)
 
     def refresh(self, lease: int) -> bool:
-        return int(self._lease(lease).refresh()) > 0
+        with _classified():
+            return int(self._lease(lease).refresh()) > 0
 
     def revoke(self, lease: int) -> None:
-        self._lease(lease).revoke()
+        with _classified():
+            self._lease(lease).revoke()
 
-    def put(self, key: str, value: str, lease: int = 0) -> None:
-        self.client.put(key, value, lease=self._lease(lease))
+    def put(self, key: str, value: str | bytes, lease: int = 0) -> None:
+        with _classified():
+            self.client.put(key, value, lease=self._lease(lease))
 
-    def create(self, key: str, value: str, lease: int = 0) -> bool:
-        return bool(self.client.create(key, value, lease=self._lease(lease)))
+    def create(self, key: str, value: str | bytes, lease: int = 0) -> bool:
+        with _classified():
+            return bool(self.client.create(key, value, lease=self._lease(lease)))
 
     def range(self, key: str, prefix: bool = False) -> tuple[int, list[Entry]]:
+        with _classified():
+            return self._range(key, prefix)
+
+    def _range(self, key: str, prefix: bool) -> tuple[int, list[Entry]]:
         body = {"key": _b64(key)}
         if prefix:
             body["range_end"] = _b64(key[:-1] + chr(ord(key[-1]) + 1))
@@ -295,6 +311,10 @@ class EtcdKV:
         return int(reply.get("header", {}).get("revision", 0)), out
 
     def delete_if(self, key: str, value: bytes | None = None, mod_revision: int | None = None) -> bool:
+        with _classified():
+            return self._delete_if(key, value, mod_revision)
+
+    def _delete_if(self, key: str, value: bytes | None, mod_revision: int | None) -> bool:
         compare: list[dict[str, Any]] = []
         if value is not None:
             compare.append({"key": _b64(key), "result": "EQUAL", "target": "VALUE", "value": _b64(value)})
@@ -307,14 +327,15 @@ class EtcdKV:
     def watch_once(self, prefix: str, timeout: float, start_revision: int = 0) -> None:
         from etcd3gw.exceptions import WatchTimedOut
 
-        watcher = self._watch_client()
-        try:
-            if start_revision:
-                watcher.watch_prefix_once(prefix, timeout=timeout, start_revision=start_revision)
-            else:
-                watcher.watch_prefix_once(prefix, timeout=timeout)
-        except WatchTimedOut:
-            pass
+        with _classified():
+            watcher = self._watch_client()
+            try:
+                if start_revision:
+                    watcher.watch_prefix_once(prefix, timeout=timeout, start_revision=start_revision)
+                else:
+                    watcher.watch_prefix_once(prefix, timeout=timeout)
+            except WatchTimedOut:
+                pass
 
     def _watch_client(self) -> Any:
         """This thread's own client for watches. etcd3gw ends a watch by closing the connection
@@ -333,11 +354,12 @@ def _broke_off(e: BaseException) -> bool:
     """A request that failed in transit (refused, reset, its answer cut off), not one etcd
     or anyone answered: etcd3gw wraps requests' connection errors with no HTTP reason."""
     import requests
+    from etcd3gw.exceptions import ConnectionFailedError
 
     if isinstance(e, AnswerCutOff):
         return True
     if "timed out" in str(getattr(e, "detail_text", "") or e):
         return False  # a silent etcd is waited for once: the caller's deadline is counted on that
-    if type(e).__name__ == "ConnectionFailedError" and type(e).__module__.startswith("etcd3gw"):
+    if isinstance(e, ConnectionFailedError):
         return not e.args  # with args, it is an answer: an HTTP 503 and its reason
     return isinstance(e, (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError))

@@ -1,4 +1,9 @@
-"""Why a request to etcd failed, in our words: what the store says instead of a library's text.
+"""Why a request to etcd failed, in our words: the etcd backend's own classification of its failures.
+
+cluster/etcd.py calls `failure(e)` on whatever a request raised, and raises the typed error it
+gets (cluster/dcs.py: StoreUnreachable, StoreRefused, LeaseNotFound, NotTheStore); nothing
+outside the backend reads a library's exception types or an error's text. The types are told
+apart with isinstance against the libraries' own classes (etcd3gw, requests, urllib3) and ours.
 
 Before, every exception from a store call became "etcd ... cannot be reached: <the library's
 text>". requests' text is a paragraph of connection-pool internals, and etcd's own error text
@@ -27,16 +32,35 @@ from __future__ import annotations
 import json
 import re
 
+from .dcs import ClusterUnavailable, LeaseNotFound, NotTheStore, StoreRefused, StoreUnreachable
+
 #: the errno texts worth naming as they are (socket errors under requests' wrapping)
 _ERRNO = re.compile(r"\[Errno -?\d+\] ([A-Za-z][A-Za-z ,-]{2,60})")
 _SSL = re.compile(r"\[SSL: ([A-Z0-9_]{3,60})\]")
 _KIND = re.compile(r"\b([A-Z][A-Za-z]{2,40}(?:Error|Exception))\b")
 _CUT = ("IncompleteRead", "Connection broken", "ended prematurely")  # an answer begun, then gone
 _NAME = ("Name or service not known", "Temporary failure in name resolution", "No address associated")
+#: etcd's own words for a write bound to a lease it does not know (expired or revoked)
+_NO_LEASE = "requested lease not found"
 
-UNREACHABLE = "cannot be reached"
-ANSWERED = "answered with an error"
-NOT_ETCD = "did not answer as etcd"
+UNREACHABLE = StoreUnreachable.verdict
+ANSWERED = StoreRefused.verdict
+NOT_ETCD = NotTheStore.verdict
+_KINDS: dict[str, type[ClusterUnavailable]] = {UNREACHABLE: StoreUnreachable, ANSWERED: StoreRefused,
+                                               NOT_ETCD: NotTheStore}
+
+
+class AnswerTooLarge(Exception):
+    """An answer over cluster/etcd.py's ANSWER_MAX: not etcd's."""
+
+
+class AnswerEncoded(Exception):
+    """A compressed answer, though we ask for none: not etcd's."""
+
+
+class AnswerCutOff(Exception):
+    """An answer that ended before its Content-Length: the connection went in mid-answer.
+    urllib3 2 says so itself; Debian 12's urllib3 1.26 hands over the short body as if whole."""
 
 
 def clean(text: object, limit: int = 120) -> str:
@@ -80,45 +104,55 @@ def _connection(text: str) -> str:
     return f"the connection failed ({kinds[-1]})" if kinds else "the connection failed"
 
 
+def failure(e: BaseException) -> ClusterUnavailable:
+    """The typed error for a failed request to etcd, its reason said, not yet where (the store
+    adds which endpoint and what it was doing)."""
+    verdict, reason = classify(e)
+    kind = _KINDS[verdict]
+    if kind is StoreRefused and _NO_LEASE in reason:
+        kind = LeaseNotFound
+    return kind.because(reason)
+
+
 def classify(e: BaseException) -> tuple[str, str]:
     """(verdict, reason) for a failure of a request to etcd (see the module docstring)."""
+    import requests
+    import urllib3
+    from etcd3gw import exceptions as gateway
+
     name = type(e).__name__
-    module = type(e).__module__ or ""
     if isinstance(e, PermissionError):  # our own login refusal (cluster/etcd.py)
         return ANSWERED, clean(e)
-    if module.startswith("etcd3gw"):
+    if isinstance(e, gateway.Etcd3Exception):
         status = clean(" ".join(str(a) for a in e.args), 60)
         detail = str(getattr(e, "detail_text", "") or "")
-        if name in ("ConnectionTimeoutError", "ConnectionFailedError") and status:
-            # etcd3gw raises these for an HTTP 408/503/504 too (the reason phrase in args): an
-            # answer, whose body is the answerer's text, never read as requests' own words
-            return ANSWERED, _etcd_error(detail) or f"HTTP {status}"
-        if name == "ConnectionTimeoutError":
-            return UNREACHABLE, "no answer in time"
-        if name == "ConnectionFailedError":
-            return UNREACHABLE, _connection(detail or str(e))
+        timeout = isinstance(e, gateway.ConnectionTimeoutError)
+        if isinstance(e, (gateway.ConnectionTimeoutError, gateway.ConnectionFailedError)):
+            if status:
+                # etcd3gw raises these for an HTTP 408/503/504 too (the reason phrase in args): an
+                # answer, whose body is the answerer's text, never read as requests' own words
+                return ANSWERED, _etcd_error(detail) or f"HTTP {status}"
+            return UNREACHABLE, "no answer in time" if timeout else _connection(detail or str(e))
         said = _etcd_error(detail)
         if said:
             return ANSWERED, said
         if detail.strip():  # a body, but not etcd's JSON: a web server, a proxy, a stranger
             return NOT_ETCD, f"an HTTP error that is not etcd's ({status or name})"
         return ANSWERED, status or name
-    if module.startswith(("requests", "urllib3")):
-        if "Timeout" in name:
+    if isinstance(e, (requests.exceptions.RequestException, urllib3.exceptions.HTTPError)):
+        if isinstance(e, (requests.exceptions.Timeout, urllib3.exceptions.TimeoutError)):
             return UNREACHABLE, "no answer in time"
-        if "JSON" in name:
+        if isinstance(e, requests.exceptions.InvalidJSONError):
             return NOT_ETCD, "its answer is not JSON"
         return UNREACHABLE, _connection(str(e))
-    if name == "AnswerCutOff":  # cluster/etcd.py's length check
+    if isinstance(e, AnswerCutOff):  # cluster/etcd.py's length check
         return UNREACHABLE, "its answer was cut off"
-    if name == "AnswerEncoded":  # cluster/etcd.py: we ask for no compression
+    if isinstance(e, AnswerEncoded):  # cluster/etcd.py: we ask for no compression
         return NOT_ETCD, "its answer is compressed, though none was asked for"
-    if name == "AnswerTooLarge":  # cluster/etcd.py's size cap
+    if isinstance(e, AnswerTooLarge):  # cluster/etcd.py's size cap
         return NOT_ETCD, f"its answer is {clean(e, 40)}"
     if isinstance(e, TimeoutError):
         return UNREACHABLE, "no answer in time"
     if isinstance(e, ConnectionError):
         return UNREACHABLE, clean(e.strerror or e, 60).lower()
-    if isinstance(e, LookupError) and "etcdserver:" in str(e):  # the in-memory KV speaks etcd's words
-        return ANSWERED, clean(e)
     return NOT_ETCD, f"its answer does not fit ({name})"

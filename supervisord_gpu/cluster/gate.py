@@ -25,17 +25,16 @@ from typing import Any
 from ..config.model import ProcessSpec, Profile
 from ..engine.events import Event
 from ..errors import StartError
-from .store import ClusterStore, ClusterUnavailable
+from .dcs import DCS, ClusterUnavailable
+from .records import ProcessRecord
 
 STOPPED = ("stopped", "failed", "")
 PUBLISH_FLUSH_S = 5.0
 
 
 class ClusterGate:
-    def __init__(self, store: ClusterStore, profile: Profile, node: str, say: Callable[[str, int], None]) -> None:
+    def __init__(self, store: DCS, profile: Profile, node: str, say: Callable[[str, int], None]) -> None:
         self.store, self.profile, self.node, self.say = store, profile, node, say
-        #: set by the coordinator (cluster/coordinator.py) when this daemon led the transition
-        self.transition: Any = None
         store.warn = lambda message: say(message, 4)  # a bad record in etcd: one line in the journal
         self.lease = store.grant()  # refuses the start when etcd is out of reach: ClusterUnavailable
         self._stop = threading.Event()
@@ -43,7 +42,7 @@ class ClusterGate:
         self._outage_said = False
         self._renewer = threading.Thread(target=self._renew, name="etcd-lease", daemon=True)
         self._renewer.start()
-        self._queue: list[tuple[str, dict[str, Any]]] = []
+        self._queue: list[ProcessRecord] = []
         self._queued = threading.Condition()
         self._publishing = threading.Thread(target=self._publisher, name="etcd-publish", daemon=True)
         self._publishing.start()
@@ -59,7 +58,7 @@ class ClusterGate:
 
     def _publish(self, process: str, state: str) -> None:
         with self._queued:
-            self._queue.append((process, {"state": state, "at": time.time()}))
+            self._queue.append(ProcessRecord(self.profile.name, self.node, process, state, time.time()))
             self._queued.notify()
 
     def _publisher(self) -> None:
@@ -70,12 +69,11 @@ class ClusterGate:
                 if not self._queue and self._stop.is_set():
                     return  # everything queued before close() is out
                 batch, self._queue = self._queue, []
-            for process, record in batch:
-                self._guarded(lambda p=process, r=record: self.store.publish_process(  # type: ignore[misc]
-                    self.profile.name, self.node, p, r, self.lease))
+            for record in batch:
+                self._guarded(lambda r=record: self.store.publish_process(r, self.lease))  # type: ignore[misc]
 
     def _renew(self) -> None:
-        every = max(0.5, self.store.cfg.lease_ttl_s / 3)
+        every = max(0.5, self.store.lease_ttl_s / 3)
         while not self._stop.wait(every):
             self._guarded(lambda: self.store.refresh(self.lease))
 
@@ -136,7 +134,7 @@ class ClusterGate:
 
         try:
             await self._in_thread(settled, time.monotonic() + max(s.stop_timeout_s for s in wave)
-                                  + self.store.cfg.lease_ttl_s)
+                                  + self.store.lease_ttl_s)
         except ClusterUnavailable as e:  # a stop always finishes: without etcd, in our own order only
             self.say(f"{e}; stopping {names} without waiting for the other nodes", 4)
         except TimeoutError:

@@ -6,6 +6,9 @@ create-if-absent, a range read that gives each key's value, lease and revision, 
 delete, and a watch from a revision on. `EtcdKV` (cluster/etcd.py) is etcd's; `MemoryKV` here
 is an in-memory one with the same semantics (a key bound to a lease goes with the lease), so
 that the readers can be fuzzed with any record content fast, without a server.
+
+A backend classifies its own failures: every one leaves it as one of cluster/dcs.py's
+ClusterUnavailable kinds, made with `because(reason)`, never as a library's exception.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 from typing import Protocol
 
 from ..records import dataclass
+from .dcs import LeaseNotFound
 
 
 @dataclass(frozen=True)
@@ -32,8 +36,8 @@ class KV(Protocol):
     def grant(self, ttl_s: int) -> int: ...
     def refresh(self, lease: int) -> bool: ...
     def revoke(self, lease: int) -> None: ...
-    def put(self, key: str, value: str, lease: int = 0) -> None: ...
-    def create(self, key: str, value: str, lease: int = 0) -> bool: ...
+    def put(self, key: str, value: str | bytes, lease: int = 0) -> None: ...
+    def create(self, key: str, value: str | bytes, lease: int = 0) -> bool: ...
     def range(self, key: str, prefix: bool = False) -> tuple[int, list[Entry]]: ...
     def delete_if(self, key: str, value: bytes | None = None, mod_revision: int | None = None) -> bool: ...
     def watch_once(self, prefix: str, timeout: float, start_revision: int = 0) -> None: ...
@@ -101,12 +105,12 @@ class MemoryKV:
         with self._changed:
             self._sweep()
             if lease and lease not in self.leases:
-                raise LookupError("etcdserver: requested lease not found")
+                raise LeaseNotFound.because("etcdserver: requested lease not found")  # etcd's words
             raw = value.encode() if isinstance(value, str) else bytes(value)
             self.data[key] = Entry(key, raw, lease, self.revision + 1)
             self._bump()
 
-    def create(self, key: str, value: str, lease: int = 0) -> bool:
+    def create(self, key: str, value: str | bytes, lease: int = 0) -> bool:
         with self._changed:
             self._sweep()
             if key in self.data:

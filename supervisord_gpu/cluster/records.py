@@ -1,4 +1,6 @@
-"""Every record read from etcd, parsed in one place into a frozen typed record, or refused.
+"""Every record read from etcd, parsed in one place into a frozen typed record, or refused; and
+every record written, encoded here from the same typed record (`encode_*`), in the JSON every
+version of the agent reads (the keys and shapes are the wire: nodes of two versions interoperate).
 
 Whoever can write our prefix in etcd writes these, and a root agent acts on them: a plan names
 units it stops and starts. So nothing read from etcd is used as the JSON it arrived as: each
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from enum import StrEnum
 from typing import Any
 
 from ..config.cluster import NODE_NAME_RE
@@ -176,6 +179,10 @@ def parse_plan(key: str, raw: bytes | str) -> ClusterPlan:
     return ClusterPlan(target, stopping, tuple(steps))
 
 
+def encode_plan(plan: ClusterPlan) -> str:
+    return json.dumps(plan.to_json())
+
+
 @dataclass(frozen=True)
 class StepReport:
     """`transitions/ID/steps/N/NODE`: one node's share of a step, done or failed."""
@@ -193,26 +200,68 @@ def parse_report(key: str, raw: bytes | str) -> StepReport:
     return StepReport(state, f.text("reason", MAX_TEXT, default=""), f.number("at"))
 
 
+def encode_report(report: StepReport) -> str:
+    """A step report as stored: {"state", "reason" when failed, "at" when known}."""
+    data: dict[str, Any] = {"state": report.state}
+    if report.reason:
+        data["reason"] = report.reason
+    if report.at:
+        data["at"] = report.at
+    return json.dumps(data)
+
+
+class TransitionKind(StrEnum):
+    """What a lock's transition is: a switch to a profile, or the rollback of one that failed.
+    On the wire it is the lock's "to" (a rollback's reads "rollback of TARGET"), as every version
+    of the agent writes and reads it; only this module knows those words."""
+
+    SWITCH = "switch"
+    ROLLBACK = "rollback"
+
+
+ROLLBACK_OF = "rollback of "  # a rollback's "to": no instance name holds a space
+
+
 @dataclass(frozen=True)
 class LockRecord:
-    """`lock`: who coordinates the transition under way. `lease` is etcd's lease the key is
-    bound to (0: none), `raw` the value as stored (the release compares it)."""
+    """`lock`: who coordinates the transition under way. `target` is the profile it starts (or
+    whose failed start it undoes, for a rollback). `lease` is the store's lease the key is bound
+    to (0: none), `raw` the value as stored (the release compares it)."""
 
     node: str
-    to: str = ""
+    target: str = ""
+    kind: TransitionKind = TransitionKind.SWITCH
     starting: tuple[str, ...] = ()
     pid: int = 0
     tid: str = ""
     lease: int = 0
     raw: bytes = b""
 
+    @property
+    def to(self) -> str:
+        """Where the transition goes, in the words people and the wire read."""
+        return ROLLBACK_OF + self.target if self.kind is TransitionKind.ROLLBACK else self.target
+
     def to_json(self) -> dict[str, Any]:
         return {"node": self.node, "to": self.to, "starting": list(self.starting), "pid": self.pid, "tid": self.tid}
 
 
+def encode_lock(record: LockRecord) -> bytes:
+    """The lock's value as stored: its `raw` if it was read, else its fields (an empty tid left
+    out: a tid that is present must be a valid one, and "" is not)."""
+    if record.raw:
+        return record.raw
+    data = record.to_json()
+    if not record.tid:
+        del data["tid"]
+    return json.dumps(data, sort_keys=True).encode()
+
+
 def parse_lock(key: str, raw: bytes, lease: int) -> LockRecord:
     f = _Fields(key, decode(key, raw), ("node", "to", "starting", "pid", "tid"))
-    return LockRecord(node=f.text("node", 63, NODE_NAME_RE), to=f.text("to", 200, default=""),
+    to = f.text("to", 200, default="")
+    kind = TransitionKind.ROLLBACK if to.startswith(ROLLBACK_OF) else TransitionKind.SWITCH
+    return LockRecord(node=f.text("node", 63, NODE_NAME_RE), target=to.removeprefix(ROLLBACK_OF), kind=kind,
                       starting=f.names("starting", INSTANCE_NAME_RE, required=False),
                       pid=f.integer("pid", 0, MAX_PID, default=0),
                       tid=f.text("tid", 64, TID_RE) if f.has("tid") else "", lease=lease, raw=bytes(raw))
@@ -260,6 +309,14 @@ def parse_node(key: str, node: str, raw: bytes | str) -> NodeRecord:
     return NodeRecord(node, f.integer("pid", 0, MAX_PID, default=0), tuple(sorted(parts)), tuple(gpus), f.number("at"))
 
 
+def encode_node(record: NodeRecord) -> str:
+    """A node's record as stored: its units as {instance: ActiveState}, each GPU or its error."""
+    gpus = [{"error": g.error} if g.error else {"index": g.index, "in_use_mib": g.in_use_mib,
+                                                   "total_mib": g.total_mib, "idle": g.idle} for g in record.gpus]
+    return json.dumps({"node": record.node, "pid": record.pid, "parts": dict(record.parts), "gpus": gpus,
+                       "at": record.at}, sort_keys=True)
+
+
 @dataclass(frozen=True)
 class ProcessRecord:
     """`parts/INSTANCE/NODE/PROCESS`: one process's state, published by the daemon running it."""
@@ -286,6 +343,11 @@ def parse_process(key: str, path: str, raw: bytes | str) -> ProcessRecord:
     if state not in PROCESS_STATES:
         raise f.bad("state", f"{state[:20]!r} is not a process state")
     return ProcessRecord(instance, node, process, state, f.number("at"))
+
+
+def encode_process(record: ProcessRecord) -> str:
+    """A process's state as stored; its instance, node and name are its key."""
+    return json.dumps({"state": record.state, "at": record.at}, sort_keys=True)
 
 
 def parse_tid(key: str, raw: bytes | str) -> str:

@@ -16,19 +16,19 @@ never obeyed. A lock counts only when it is genuine: bound to a lease (etcd dele
 its lease ends, so a key that has one has a live one) and well-formed; any other value at the
 lock's key is no lock, and whoever wants the lock deletes it (only that version of it).
 
-Every etcd failure becomes one ClusterUnavailable naming the endpoint and why, in our words
-(cluster/failures.py: out of reach, an error etcd answered, or an answer not etcd's; our own
-records are turned into JSON before the request, so a bug there stays a bug): nothing cross-node starts while etcd cannot be reached, and nothing that runs
-is touched because of it.
+Every failure arrives from the KV already classified (cluster/failures.py for etcd: out of
+reach, an error etcd answered, or an answer not etcd's), and leaves here as that kind of
+ClusterUnavailable naming the endpoint and what was being done; our own records are turned into
+JSON before the request, so a bug there stays a bug. Nothing cross-node starts while etcd cannot
+be reached, and nothing that runs is touched because of it.
 
-The methods are the DCS interface Issue #25 asks for: grant/refresh/revoke, acquire/release,
-announce/publish_process, nodes/process_states/holder/current, put_plan/report, wait/wait_step;
-over an etcd (cluster/etcd.py) or an in-memory KV (cluster/kv.py, for tests and fuzzing).
+`ClusterStore` is the implementation of cluster/dcs.py's DCS (the cluster's operations, typed
+records both ways) over a KV: an etcd (cluster/etcd.py) or an in-memory one (cluster/kv.py, for
+tests and fuzzing); tests/test_dcs_contract*.py holds the two to the same promises.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -38,36 +38,18 @@ from typing import Any
 
 from ..config.cluster import NODE_NAME_RE
 from ..config.model import ClusterConfig
-from ..errors import SupervisorError
-from .failures import classify
+from .dcs import ClusterUnavailable, NodeLost, StepFailed
 from .kv import KV, Entry
 from .plan import ClusterPlan
-from .records import (BadRecord, LockRecord, NodeRecord, ProcessRecord, StepReport, parse_lock, parse_node, parse_plan,
-                      parse_process, parse_report, parse_tid)
+from .records import (BadRecord, LockRecord, NodeRecord, ProcessRecord, StepReport, encode_lock, encode_node,
+                      encode_plan, encode_process, encode_report, parse_lock, parse_node, parse_plan, parse_process,
+                      parse_report, parse_tid)
+
+__all__ = ["ClusterStore", "ClusterUnavailable", "NodeLost", "StepFailed"]  # the errors live in cluster/dcs.py
 
 WATCH_SLICE_S = 1.0  # a watch is re-armed this often, so an event between read and watch costs at most this
 WARNED_KEEP = 4096  # bad records already named (key, revision): each is said once, not on every read
 ACQUIRE_TRIES = 5
-
-
-class ClusterUnavailable(SupervisorError):
-    """etcd cannot be reached: no cross-node change starts; running parts keep running."""
-
-    exit_code = 4  # EXIT_UNREACHABLE, as for the bus
-
-
-class NodeLost(SupervisorError):
-    """A node's agent lease expired while we waited on it."""
-
-    def __init__(self, node: str, what: str) -> None:
-        super().__init__(f"node {node!r} was lost {what} (its agent stopped renewing its etcd lease)")
-        self.node = node
-
-
-class StepFailed(SupervisorError):
-    def __init__(self, node: str, step: int, reason: str) -> None:
-        super().__init__(f"step {step} failed on node {node!r}: {reason}")
-        self.node, self.step = node, step
 
 
 def _stderr(message: str) -> None:
@@ -75,7 +57,8 @@ def _stderr(message: str) -> None:
 
 
 class ClusterStore:
-    """Our key layout over one KV (etcd's JSON gateway unless `kv` is given), every record typed."""
+    """The DCS (cluster/dcs.py) as our key layout over one KV (etcd's JSON gateway unless `kv`
+    is given), every record typed both ways (cluster/records.py)."""
 
     def __init__(self, cfg: ClusterConfig, kv: KV | None = None, warn: Callable[[str], None] | None = None) -> None:
         if not cfg.etcd and kv is None:
@@ -83,6 +66,7 @@ class ClusterStore:
                                      "a profile that spans nodes cannot change without it")
         self.cfg = cfg
         self.prefix = cfg.prefix.rstrip("/")
+        self.lease_ttl_s = cfg.lease_ttl_s
         self.kv: KV = kv if kv is not None else self._connect(cfg)
         self.endpoint = self.kv.endpoint
         #: where a bad record is named (the agent's and the daemon's journal; stderr otherwise)
@@ -102,13 +86,14 @@ class ClusterStore:
 
     @contextmanager
     def _talking(self, what: str) -> Iterator[None]:
+        """A failure the KV classified, said in full: this endpoint, doing `what`. Anything else
+        a KV raises is a bug of that KV, and is raised as it is."""
         try:
             yield
-        except SupervisorError:
-            raise
-        except Exception as e:  # noqa: BLE001 - whoever answers chooses the type (cluster/failures.py)
-            verdict, reason = classify(e)
-            raise ClusterUnavailable(f"etcd at {self.endpoint} {verdict} ({what}): {reason}") from None
+        except ClusterUnavailable as e:
+            if e.placed:
+                raise
+            raise e.during(self.endpoint, what) from None
 
     def key(self, *parts: str) -> str:
         return "/".join((self.prefix, *parts))
@@ -153,9 +138,6 @@ class ClusterStore:
             _, found = self.kv.range(key)
         return found[0] if found else None
 
-    def exists(self, key: str) -> bool:
-        return self._entry(key) is not None
-
     def _parsed(self, prefix: str, parse: Callable[[Entry, str], Any]) -> list[Any]:
         """parse(entry, the key below `prefix`) of every key under it; bad ones named and skipped."""
         out = []
@@ -168,10 +150,10 @@ class ClusterStore:
 
     # -- nodes -----------------------------------------------------------------------------
 
-    def announce(self, node: str, lease: int, record: dict[str, Any]) -> None:
-        value = json.dumps(record, sort_keys=True)  # ours: a bug here is a bug, not etcd's fault
-        with self._talking(f"publishing node {node}"):
-            self.kv.put(self.key("nodes", node), value, lease=lease)
+    def announce(self, record: NodeRecord, lease: int) -> None:
+        value = encode_node(record)  # ours: a bug here is a bug, not etcd's fault
+        with self._talking(f"publishing node {record.node}"):
+            self.kv.put(self.key("nodes", record.node), value, lease=lease)
 
     def nodes(self) -> dict[str, NodeRecord]:
         """Every node whose agent is alive, with what it last published."""
@@ -184,10 +166,10 @@ class ClusterStore:
 
     # -- process states, for the cluster gate ------------------------------------------------
 
-    def publish_process(self, instance: str, node: str, process: str, record: dict[str, Any], lease: int) -> None:
-        value = json.dumps(record, sort_keys=True)
-        with self._talking(f"publishing {node}/{process}"):
-            self.kv.put(self.key("parts", instance, node, process), value, lease=lease)
+    def publish_process(self, record: ProcessRecord, lease: int) -> None:
+        value = encode_process(record)
+        with self._talking(f"publishing {record.node}/{record.process}"):
+            self.kv.put(self.key("parts", record.instance, record.node, record.process), value, lease=lease)
 
     def processes(self, instance: str | None = None) -> list[ProcessRecord]:
         """What the live daemons published, of `instance` or of every instance."""
@@ -218,6 +200,12 @@ class ClusterStore:
         with self._talking(f"watching {prefix}"):
             self.kv.watch_once(prefix, timeout, since + 1 if since else 0)
 
+    def watch_lock(self, timeout: float, since: int | None = None) -> None:
+        self.watch_once(self.key("lock"), timeout, since)
+
+    def watch_current(self, timeout: float, since: int | None = None) -> None:
+        self.watch_once(self.key("current"), timeout, since)
+
     # -- the transition lock ---------------------------------------------------------------
 
     def _lock(self) -> tuple[Entry | None, LockRecord | None]:
@@ -238,10 +226,10 @@ class ClusterStore:
             self._bad(entry, e)
             return entry, None
 
-    def acquire(self, lease: int, holder: dict[str, Any]) -> LockRecord | None:
-        """Take the lock for `holder`; None when taken, else the record of whoever holds it.
+    def acquire(self, lease: int, me: LockRecord) -> LockRecord | None:
+        """Take the lock for `me`; None when taken, else the record of whoever holds it.
         What is at the key and is no genuine lock is deleted first (that version only)."""
-        value = json.dumps(holder, sort_keys=True)
+        value = encode_lock(me)
         for _ in range(ACQUIRE_TRIES):
             with self._talking("taking the transition lock"):
                 if self.kv.create(self.key("lock"), value, lease=lease):
@@ -260,17 +248,17 @@ class ClusterStore:
         """Who holds the lock; None when nobody genuinely does."""
         return self._lock()[1]
 
-    def release(self, holder: dict[str, Any] | LockRecord) -> None:
-        """Drop the lock if it is still `holder`'s (never someone else's that came after): one
+    def release(self, me: LockRecord) -> None:
+        """Drop the lock if it is still `me`'s (never someone else's that came after): one
         etcd transaction, compare the value and delete, so that no reader ever sees it half-gone."""
-        value = holder.raw if isinstance(holder, LockRecord) else json.dumps(holder, sort_keys=True).encode()
+        value = encode_lock(me)
         with self._talking("releasing the transition lock"):
             self.kv.delete_if(self.key("lock"), value=value)
 
     # -- plans and step reports ------------------------------------------------------------
 
-    def put_plan(self, tid: str, plan: dict[str, Any], lease: int) -> None:
-        value = json.dumps(plan)
+    def put_plan(self, tid: str, plan: ClusterPlan, lease: int) -> None:
+        value = encode_plan(plan)
         with self._talking("writing the plan"):
             self.kv.put(self.key("transitions", tid, "plan"), value, lease=lease)
             self.kv.put(self.key("current"), tid, lease=lease)
@@ -300,8 +288,8 @@ class ClusterStore:
         plan = self.plan(tid)
         return (tid, plan[0]) if plan else None
 
-    def report(self, tid: str, step: int, node: str, result: dict[str, Any], lease: int) -> None:
-        value = json.dumps(result)
+    def report(self, tid: str, step: int, node: str, result: StepReport, lease: int) -> None:
+        value = encode_report(result)
         with self._talking(f"reporting step {step}"):
             self.kv.put(self.key("transitions", tid, "steps", str(step), node), value, lease=lease)
 

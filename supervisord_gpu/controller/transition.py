@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..checks.gpus import GpuInventory
 from ..checks.preconditions import Requirement, wait_until_clear
@@ -26,6 +26,10 @@ from ..config.model import DaemonConfig, Profile
 from ..errors import PreconditionError, SupervisorError, TakeoverFailed
 from . import takeover
 from .preflight import blocking_problems, check_profile
+
+if TYPE_CHECKING:  # the cluster's modules are loaded only for a profile that spans nodes
+    from ..cluster.coordinator import LedTransition
+    from ..cluster.gate import ClusterGate
 
 #: (message, syslog priority, GPUSUP_EVENT=): "transition" or "rollback"
 Say = Callable[[str, int, str], None]
@@ -113,30 +117,35 @@ class LocalTransition:
 
 class ClusterTransition:
     """A node's part of a profile that spans nodes: the cluster's transition through etcd (the
-    coordinator when this node leads it, a verify of this node when another node does)."""
+    coordinator when this node leads it, a verify of this node when another node does).
 
-    def __init__(self, profile: Profile, cfg: DaemonConfig, inventory: GpuInventory, gate: Any, say: Say) -> None:
+    It owns what a rollback needs: the transition this daemon led (its plan, the steps done and
+    its lock), set by `prepare` and read by `roll_back`; None when another node led it."""
+
+    def __init__(self, profile: Profile, cfg: DaemonConfig, inventory: GpuInventory, gate: ClusterGate, say: Say) -> None:
         self.profile, self.cfg, self.inventory, self.gate, self.say = profile, cfg, inventory, gate, say
+        self.led: LedTransition | None = None
 
     async def prepare(self, how: str, progress: Progress) -> None:
         from ..cluster.coordinator import prepare_cluster_start
 
-        self.gate.transition = None
+        self.led = None
         profile, inventory = self.profile, self.inventory
 
         async def verify_here() -> None:
             await check_profile(profile, inventory)
             await wait_until_clear(Requirement.of(profile), inventory, self.cfg.gpus.wait_idle_timeout_s)
 
-        await prepare_cluster_start(profile, self.cfg, inventory, self.gate,
-                                    lambda message, priority: self.say(message, priority, "transition"), progress, verify_here)
+        self.led = await prepare_cluster_start(profile, self.cfg, inventory, self.gate,
+                                               lambda message, priority: self.say(message, priority, "transition"),
+                                               progress, verify_here)
 
     async def roll_back(self, error: SupervisorError, reason: str) -> str | None:
         if isinstance(error, TakeoverFailed):  # the coordinator has rolled back already
             return None
         from ..cluster.coordinator import roll_back_failed_start
 
-        said = await asyncio.to_thread(roll_back_failed_start, self.gate)
+        said = await asyncio.to_thread(roll_back_failed_start, self.gate.store, self.led)
         if not said:
             return None
         self.say(f"rollback: {said}", 4, "rollback")
