@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from ..records import dataclass
 from typing import Any
 
-from ..bus.errors import ALREADY_SUBSCRIBED, DENIED, NO_SUCH_UNIT, NO_UNIT_FOR_PID, error_name, first_line
+from ..bus.errors import ALREADY_SUBSCRIBED, DENIED, NO_SUCH_UNIT, NO_UNIT_FOR_PID, error_name, remote_text
 from ..errors import BusError, OperationFailed, PermissionDenied, UnitNotFound
 from ..names import INSTANCE_NAME_RE, UNIT_PREFIX, service_name
 
@@ -111,7 +111,7 @@ class Systemd:
         try:
             reply = self.con.call_sync(BUS, path, iface, method, params, None, 0, timeout_ms, None)
         except GLib.Error as e:
-            text, name = first_line(e), error_name(e)
+            text, name = remote_text(e), error_name(e)  # systemd's words, without GLib's "GDBus.Error:NAME: "
             what = f"{method} of {args[0]}" if args and isinstance(args[0], str) and iface == MANAGER else method
             if name in DENIED:
                 raise PermissionDenied(f"{what} refused: {text}") from None
