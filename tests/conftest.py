@@ -54,6 +54,7 @@ FAST_MODULES = frozenset({
     "test_capabilities", "test_install_quietly",
     "test_docs",
     "test_dcs_contract_memory",
+    "test_error_table",
 })
 
 

@@ -10,7 +10,7 @@ gi = pytest.importorskip("gi")
 from gi.repository import Gio, GLib  # noqa: E402
 
 from supervisord_gpu.bus import errors  # noqa: E402
-from supervisord_gpu.errors import OperationFailed, PermissionDenied  # noqa: E402
+from supervisord_gpu.errors import OperationFailed, PermissionDenied, UnitNotFound  # noqa: E402
 from supervisord_gpu.systemd.manager import Systemd  # noqa: E402
 
 
@@ -50,12 +50,16 @@ def test_systemd_refusals_by_any_denying_name_are_permission_denied(name):
         Systemd(Refusing(remote(name, "whatever the text"))).manager("StartUnit", "ss", ("dsv4@x.service", "replace"))
 
 
-def test_a_systemd_failure_keeps_its_name_for_the_caller_and_a_missing_unit_is_lookup_error():
+def test_a_systemd_failure_keeps_its_name_for_the_caller_and_a_missing_unit_is_unit_not_found():
     failing = Systemd(Refusing(remote("org.freedesktop.systemd1.UnitMasked", "Unit dsv4@x.service is masked.")))
     with pytest.raises(OperationFailed) as e:
         failing.manager("StartUnit", "ss", ("dsv4@x.service", "replace"))
     assert e.value.name == "org.freedesktop.systemd1.UnitMasked" and "is masked" in str(e.value)
-    assert Systemd(Refusing(remote(errors.NO_SUCH_UNIT, "not loaded"))).unit_path("dsv4@x.service") is None
+    missing = Systemd(Refusing(remote(errors.NO_SUCH_UNIT, "Unit dsv4@x.service not loaded.")))
+    with pytest.raises(UnitNotFound, match="^Unit dsv4@x.service not loaded.$") as gone:
+        missing.manager("StartUnit", "ss", ("dsv4@x.service", "replace"))
+    assert not isinstance(gone.value, LookupError)  # ours, by name: never the built-in that leaked into the CLI
+    assert missing.unit_path("dsv4@x.service") is None
     assert Systemd(Refusing(remote(errors.NO_UNIT_FOR_PID, "PID 1 does not belong to any loaded unit."))).unit_of_pid(1) is None
     for name in sorted(errors.ALREADY_SUBSCRIBED):
         Systemd(Refusing(remote(name, "Client is already subscribed."))).subscribe()  # not an error

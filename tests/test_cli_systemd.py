@@ -151,3 +151,22 @@ def test_start_wait_believes_systemd_itself_not_a_signal_any_user_can_forge(box)
     assert box.systemctl("show", "-P", "ExecMainStatus", "waiter").stdout.strip() == "0"
     assert box.is_active("dsv4@tp4-512k") == "active"
     box.systemctl("stop", "dsv4@tp4-512k", timeout=120)
+
+
+def test_a_typo_is_named_before_queuing_and_systemds_start_limit_is_named_with_the_way_back(box):
+    """The first hour: `gpusupctl start tp4_512k` said "queued" and exited 0; the restart by hand
+    that hit systemd's own start limit blamed "stop requested" (the daemon's last STATUS=, from
+    the stop half of the restart). Here the limit is 3 starts, not the shipped 20."""
+    box.install(startup=0.3, unit_extra="[Unit]\nStartLimitBurst=3\nStartLimitIntervalSec=600\n")
+    typo = box.run([CTL, "start", "tp4_512k"], check=False)
+    assert typo.returncode == 2 and "unknown profile 'tp4_512k'; did you mean 'tp4-512k'?" in typo.stderr, typo.stderr
+    assert box.systemctl("show", "-P", "InvocationID", "dsv4@tp4_512k").stdout.strip() == "", "systemd ran it"
+    box.run([CTL, "start", "tp4-512k", "--wait"], timeout=120)
+    for _ in range(2):
+        box.run([CTL, "restart", "tp4-512k", "--wait"], timeout=120)
+    hit = box.run([CTL, "restart", "tp4-512k", "--wait"], check=False, timeout=120)
+    assert hit.returncode == 3, hit.stdout + hit.stderr
+    assert "its start limit was hit (3 starts within 600 s" in hit.stderr and "stop requested" not in hit.stderr, hit.stderr
+    assert "`gpusupctl start tp4-512k` resets the limit" in hit.stderr
+    back = box.run([CTL, "start", "tp4-512k", "--wait"], check=False, timeout=120)
+    assert back.returncode == 0 and box.is_active("dsv4@tp4-512k") == "active", back.stdout + back.stderr

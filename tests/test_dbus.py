@@ -155,7 +155,8 @@ def test_the_daemon_refuses_control_calls_itself_when_the_bus_policy_lets_them_t
 
 
 def test_stop_from_root_stops_in_order_and_the_daemon_exits_cleanly(daemon):
-    assert daemon.obj.Stop().startswith("stopping pd: ")
+    job = json.loads(daemon.obj.Stop())
+    assert job["verb"] == "stop" and job["state"] in ("running", "done") and job["id"] > 0
     assert daemon.proc.wait(30) == 0
     daemon.log.seek(0)
     log = daemon.log.read()
@@ -190,13 +191,53 @@ def test_a_second_control_call_while_one_runs_is_refused_as_busy(daemon):
     assert first["verb"] == "restart decode" and first["state"] == "running"
     with pytest.raises(Exception, match=f"org.supervisordgpu.Error.Busy.*busy with job {first['id']}"):
         daemon.obj.RestartProcess("prefill")
-    assert wait_job(daemon, first["id"]) == {**first, "state": "done", "reason": "decode restarted",
+    assert wait_job(daemon, first["id"]) == {**first, "state": "done", "reason": "decode restarted", "exit_code": 0,
                                              "ended_at": json.loads(daemon.obj.GetJob(first["id"]))["ended_at"]}
     assert json.loads(daemon.obj.GetStatus())["state"] == "ready"
     second = json.loads(daemon.obj.RestartProcess("prefill"))  # free again once it is done
     assert second["id"] > first["id"] and wait_job(daemon, second["id"])["state"] == "done"
     with pytest.raises(Exception, match="org.supervisordgpu.Error.UnknownJob"):
         daemon.obj.GetJob(999_999)
+
+
+def gio_connect(address: str):  # type: ignore[no-untyped-def]
+    from gi.repository import Gio
+
+    flags = Gio.DBusConnectionFlags.AUTHENTICATION_CLIENT | Gio.DBusConnectionFlags.MESSAGE_BUS_CONNECTION
+    return Gio.DBusConnection.new_for_address_sync(address, flags, None, None)
+
+
+def test_the_daemons_refusals_reach_the_client_as_their_classes_and_exit_codes(daemon):
+    """Errors by name, end to end: the controller's Busy and the service's UnknownProcess leave
+    the daemon as org.supervisordgpu.Error.<Name> and arrive in gpusupctl's client as the very
+    classes of errors.py, with exit codes 3 and 2; the text decides nothing."""
+    from supervisord_gpu.api.client import InstanceClient
+    from supervisord_gpu.errors import Busy, UnknownJob, UnknownProcess
+
+    client = InstanceClient(gio_connect(daemon.bus_address), "pd")
+    with pytest.raises(UnknownProcess) as unknown:
+        client.restart_process("nope")
+    assert unknown.value.exit_code == 2 and str(unknown.value) == "instance pd has no process 'nope'"
+    first = client.restart_process("decode")
+    with pytest.raises(Busy) as busy:
+        client.restart_process("prefill")
+    assert busy.value.exit_code == 3 and str(busy.value).startswith(f"pd is busy with job {first['id']}")
+    assert client.follow_job(first, 60, lambda _line: None)["state"] == "done"
+    with pytest.raises(UnknownJob):
+        client.job(999_999)
+
+
+def test_gpusupctl_restart_process_follows_the_daemons_job_end_to_end(daemon, bus):
+    ctl = [sys.executable, "-m", "supervisord_gpu.cli.gpusupctl", "restart", "pd"]
+    unknown = subprocess.run([*ctl, "--process", "nope"], env=bus.env(), capture_output=True, text=True, timeout=60)
+    assert unknown.returncode == 2 and unknown.stderr == "gpusupctl: instance pd has no process 'nope'\n", unknown
+    pid = json.loads(daemon.obj.GetProcess("decode"))["pid"]
+    done = subprocess.run([*ctl, "--process", "decode", "--wait", "--timeout", "60"], env=bus.env(),
+                          capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().endswith("pd: decode restarted") and "decode: " in done.stdout, done.stdout
+    after = json.loads(daemon.obj.GetProcess("decode"))
+    assert after["state"] == "ready" and after["pid"] != pid
 
 
 def test_a_dbus_restart_takes_the_whole_start_path_lock_and_checks_included(daemon, tmp_path):

@@ -5,6 +5,10 @@ The decorator records the in/out signatures and whether the method is a control 
 reads as a list, and authorization is declared, and enforced, per method where the method
 is defined.
 
+A method raises the errors of the table (errors.py); the wrapper hands each to pydbus under
+its D-Bus name (bus/errors.py's `on_the_wire`), so a caller reads the name, and gpusupctl
+exits with the error's own code.
+
 Every string argument is bounded here too, before the method (or its authorization) runs:
 process names are short, and a caller's 1 MiB name must cost the daemon no more than a short
 one once the bus has handed it over (`MAX_STRING_BYTES`; refused with ArgumentTooLong, which
@@ -19,6 +23,11 @@ from typing import Any
 from collections.abc import Callable
 from xml.sax.saxutils import quoteattr
 
+from ..bus.errors import on_the_wire
+from ..errors import ArgumentTooLong, SupervisorError
+
+__all__ = ["ArgumentTooLong", "export", "exported_methods", "introspection_xml"]
+
 _ATTR = "_dbus_export"
 
 #: the longest string argument any method takes (UTF-8 bytes): names of processes, instances
@@ -27,12 +36,10 @@ MAX_STRING_BYTES = 256
 #: the longest array argument (items), should a method ever take one
 MAX_ARRAY_ITEMS = 64
 
-# pydbus turns the exception class's __name__ into the D-Bus error name
-ArgumentTooLong = type("org.supervisordgpu.Error.ArgumentTooLong", (Exception,), {})
 
 
 def export(in_signature: str = "", out_signature: str = "", control: bool = False,
-           too_long: type[Exception] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+           too_long: type[SupervisorError] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Mark a method for the bus. Its string arguments are bounded before anything else runs
     (`check_arguments`; an oversize one raises `too_long`, ArgumentTooLong unless the method
     names the error its callers already handle, UnknownProcess for a process name).
@@ -44,19 +51,20 @@ def export(in_signature: str = "", out_signature: str = "", control: bool = Fals
         params = [p for p in inspect.signature(fn).parameters if p not in ("self", "dbus_context")]
         bounded = [(i, pname, t) for i, (pname, t) in enumerate(zip(params, _split(in_signature), strict=False))
                    if t in _STRING_TYPES or t.startswith("a")]
-        wrapped = fn
-        if bounded or control:
+        takes_context = "dbus_context" in inspect.signature(fn).parameters
 
-            @functools.wraps(fn)  # inspect.signature follows __wrapped__: pydbus still passes dbus_context
-            def checked(self: Any, *args: Any, dbus_context: Any = None) -> Any:
+        @functools.wraps(fn)  # inspect.signature follows __wrapped__: pydbus still passes dbus_context
+        def checked(self: Any, *args: Any, dbus_context: Any = None) -> Any:
+            try:
                 check_arguments(name, bounded, args, too_long or ArgumentTooLong)
                 if control:
                     self.authorize(dbus_context, name)
-                return fn(self, *args, dbus_context=dbus_context)
+                return fn(self, *args, dbus_context=dbus_context) if takes_context else fn(self, *args)
+            except SupervisorError as e:
+                raise on_the_wire(e) from None
 
-            wrapped = checked
-        setattr(wrapped, _ATTR, (in_signature, out_signature, control))
-        return wrapped
+        setattr(checked, _ATTR, (in_signature, out_signature, control))
+        return checked
 
     return mark
 
@@ -65,7 +73,7 @@ _STRING_TYPES = ("s", "o", "g")
 
 
 def check_arguments(method: str, bounded: list[tuple[int, str, str]], args: tuple[Any, ...],
-                    error: type[Exception] = ArgumentTooLong) -> None:
+                    error: type[SupervisorError] = ArgumentTooLong) -> None:
     """Refuse an oversize argument in time independent of its size: len() of a str is stored,
     and only a string already short in characters is encoded to count its bytes."""
     for i, pname, t in bounded:
@@ -84,7 +92,7 @@ def check_arguments(method: str, bounded: list[tuple[int, str, str]], args: tupl
                         _check_string(method, pname, v, error)
 
 
-def _check_string(method: str, pname: str, value: Any, error: type[Exception]) -> None:
+def _check_string(method: str, pname: str, value: Any, error: type[SupervisorError]) -> None:
     if not isinstance(value, str):
         return
     n = len(value)

@@ -30,18 +30,13 @@ from pydbus.generic import signal as dbus_signal
 
 from ..bus import names
 from ..controller.outcome import Job
-from ..bus.errors import DENIED, error_name, first_line
-from ..errors import BusError, SupervisorError
+from ..bus.errors import DENIED, OURS, error_name, first_line
+from ..errors import AccessDenied, BusError, UnknownJob, UnknownProcess
 from .exports import export, exported_methods, introspection_xml
 from ..bus.link import BusLink, system_bus
 
 if TYPE_CHECKING:
     from ..controller.controller import InstanceController
-
-
-def _error(name: str) -> type[Exception]:
-    # pydbus turns the exception class's __name__ into the D-Bus error name.
-    return type(f"org.supervisordgpu.Error.{name}", (Exception,), {})
 
 
 class _Refusals(logging.Filter):
@@ -51,7 +46,7 @@ class _Refusals(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        return exc is None or not type(exc).__name__.startswith("org.supervisordgpu.Error.")
+        return exc is None or not type(exc).__name__.startswith(OURS)  # errors.py's table, on the wire
 
 
 _REFUSALS = _Refusals()
@@ -63,19 +58,13 @@ def quiet_refusals() -> None:
         logger.addFilter(_REFUSALS)
 
 
-AccessDenied = _error("AccessDenied")
-UnknownProcess = _error("UnknownProcess")
-UnknownJob = _error("UnknownJob")
-Busy = _error("Busy")
-
-
 class Controls:
     """What the bus may ask of the instance's controller, called from the bus thread.
 
     Each call crosses to the daemon's event loop and comes back with an answer at once: a job
-    id to follow (Restart, RestartProcess), or a refusal (busy, unknown process) as an error
-    the caller sees. The work itself runs on the loop, in the controller, on the same path as
-    the daemon's own start.
+    id to follow (Stop, Restart, RestartProcess), or a refusal as the controller raised it
+    (Busy, from errors.py's table), which the caller receives by its name. The work itself
+    runs on the loop, in the controller, on the same path as the daemon's own start.
     """
 
     def __init__(self, controller: InstanceController, loop: asyncio.AbstractEventLoop) -> None:
@@ -91,14 +80,11 @@ class Controls:
     def process_names(self) -> list[str]:
         return list(self.controller.instance.processes)
 
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.controller.request_stop)
+    def stop(self) -> Job:
+        return self._on_loop(self.controller.request_stop)  # type: ignore[no-any-return]
 
     def submit(self, verb: str, work: Callable[[], Any]) -> Job:
-        try:
-            return self._on_loop(lambda: self.controller.submit(verb, work))  # type: ignore[no-any-return]
-        except SupervisorError as e:
-            raise Busy(str(e)) from None
+        return self._on_loop(lambda: self.controller.submit(verb, work))  # type: ignore[no-any-return]
 
     def job(self, job_id: int) -> Job | None:
         return self._on_loop(lambda: self.controller.jobs.get(job_id))  # type: ignore[no-any-return]
@@ -210,9 +196,10 @@ class InstanceObject:
 
     @export("", "s", control=True)
     def Stop(self, dbus_context: Any = None) -> str:
-        """Stop every process in order; the daemon then exits 0 (its unit goes inactive)."""
-        self._controls.stop()
-        return f"stopping {self._instance}: every process in stop order, then the daemon exits"
+        """Stop every process in order; the daemon then exits 0 (its unit goes inactive). Returns
+        the stop's job as JSON (a second Stop gets the same job); GetJob says "done" once every
+        process has stopped, and the name leaves the bus as the daemon exits right after."""
+        return json.dumps(self._controls.stop().to_json())
 
     @export("", "s", control=True)
     def Restart(self, dbus_context: Any = None) -> str:

@@ -7,11 +7,14 @@ One daemon per instance, so one well-known name per instance:
 The instance name is escaped the way systemd escapes unit names into object paths:
 every byte outside [A-Za-z0-9] becomes _XX (hex), and a leading digit is escaped too,
 so "tp4-512k" is "tp4_2d512k" and the mapping is reversible.
+Errors answer as ERROR_PREFIX + a name of errors.py's table (org.supervisordgpu.Error.Busy, ...).
 """
 
 from __future__ import annotations
 
 import re
+
+from ..errors import ERROR_PREFIX as ERROR_PREFIX  # re-exported: every name of ours, here
 
 BUS_PREFIX = "org.supervisordgpu.instance"
 OBJECT_PATH = "/org/supervisordgpu/Instance"

@@ -61,6 +61,11 @@ def parser() -> argparse.ArgumentParser:
         v.add_argument("name", metavar="NAME")
         v.add_argument("--wait", action="store_true", help="follow progress live until ready, stopped or failed")
         v.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS", help="give up waiting after this long")
+        if verb != "stop":  # an unknown profile is named before anything is queued; a stop needs none
+            _config_arg(v)
+        if verb == "restart":
+            v.add_argument("--process", metavar="PROCESS",
+                           help="restart only this process of the running instance (its daemon's RestartProcess job)")
 
     lg = sub.add_parser("logs", help="the journal of dsv4@NAME, optionally of one process")
     lg.add_argument("name", metavar="NAME")
@@ -373,13 +378,17 @@ def cluster_status(args: argparse.Namespace) -> int:
 
 def cmd_unit(args: argparse.Namespace) -> int:
     from ..config.loader import INSTANCE_NAME_RE
-    from ..errors import UsageError
+    from ..errors import UnitNotFound, UsageError
 
     if not INSTANCE_NAME_RE.match(args.name):
         raise UsageError(f"{args.name!r} is not a valid instance name")
+    if getattr(args, "process", None) is not None:
+        return _restart_process(args.name, args.process, args.wait, args.timeout)
+    if args.command != "stop":
+        _check_profile_known(args.config_dir, args.name)
     try:
         return _run_unit_job(args.command, args.name, args.wait, args.timeout)
-    except LookupError:  # systemd's NoSuchUnit: no dsv4@.service on this machine (seen on a fresh one)
+    except UnitNotFound:  # systemd's NoSuchUnit: no dsv4@.service on this machine (seen on a fresh one)
         from ..errors import PreconditionError
         from ..names import service_name
 
@@ -394,19 +403,29 @@ def _run_unit_job(verb: str, name: str, wait: bool, timeout: float) -> int:
     from ..names import service_name
     from ..systemd.manager import Systemd
 
+    from ..errors import OperationFailed
+
     unit = service_name(name)
     method = {"start": "StartUnit", "stop": "StopUnit", "restart": "RestartUnit"}[verb]
     if verb in ("start", "restart"):
         _clear_failed(unit)
-    if not wait:
-        Systemd().queue(method, unit)
-        print(f"{verb} of {unit} queued; follow it with: gpusupctl status {name}")
-        return 0
-    result, active = follow(name, verb, timeout, print)
+    try:
+        if not wait:
+            Systemd().queue(method, unit)
+            print(f"{verb} of {unit} queued; follow it with: gpusupctl status {name}")
+            return 0
+        result, active = follow(name, verb, timeout, print)
+    except OperationFailed:
+        if verb != "stop":
+            _raise_if_start_limit_hit(unit, name)  # systemd's own refusal, whatever its text
+        raise
     want = "inactive" if verb == "stop" else "active"
     if result == "done" and active == want:
         print(f"{unit}: {active}")
         return 0
+    if verb != "stop" and result != "timeout-waiting":
+        # The unit's last STATUS= would be the stop before it ("stop requested"): the cause is systemd's
+        _raise_if_start_limit_hit(unit, name)
     why = _final_status(unit)
     waited = f"gave up waiting after {timeout:g} s" if result == "timeout-waiting" else f"job {result}"
     print(f"{unit}: {active} ({waited})" + (f": {why}" if why else ""))
@@ -417,7 +436,7 @@ def _clear_failed(unit: str) -> None:
     """A start by hand begins afresh: reset-failed a failed unit first (NRestarts, systemd's
     start rate limit: a unit stopped by either starts again). polkit lets gpusup members do it
     on dsv4@ units; refused, the start still goes ahead (it may well succeed) and says so."""
-    from ..errors import PermissionDenied
+    from ..errors import PermissionDenied, UnitNotFound
     from ..systemd.manager import Systemd
 
     systemd = Systemd()
@@ -426,8 +445,13 @@ def _clear_failed(unit: str) -> None:
     try:
         systemd.reset_failed_unit(unit)
     except PermissionDenied as e:
+        from ..systemd.manager import instance_of_unit
+
+        name = instance_of_unit(unit) or unit
+        # systemd's start limit stays: the start cannot succeed, and says so before it is queued
+        _raise_if_start_limit_hit(unit, name, refused=str(e))
         print(f"{PROG}: {unit} stays failed ({e}); starting anyway", file=sys.stderr)
-    except LookupError:
+    except UnitNotFound:
         pass  # collected meanwhile: nothing left to reset
 
 
@@ -440,8 +464,97 @@ def _final_status(unit: str) -> str:
         systemd = Systemd()
         path = systemd.unit_path(unit)
         return str(systemd.get(path, SERVICE, "StatusText")) if path else ""
-    except (SupervisorError, LookupError):
+    except SupervisorError:
         return ""
+
+
+def _check_profile_known(config_dir: str | None, name: str) -> None:
+    """`start`/`restart` of a profile that does not exist: named (exit 2, with the closest names
+    in the profiles directory) before anything is queued. A typo used to be "queued", exit 0.
+
+    Only names are looked at, never a profile's content: a gpusup member may start a profile it
+    cannot read. Where the caller cannot look (a directory closed to it) nothing is decided here:
+    systemd, polkit and the daemon still are. The package's default directory missing means the
+    package is not installed: systemd then says there is no unit (cmd_unit)."""
+    import difflib
+    import os
+
+    from ..config.loader import CONFIG_DIR_ENV, display_path, resolve_config_dir
+    from ..errors import ConfigError
+
+    cdir = resolve_config_dir(config_dir)
+    profiles = cdir / "profiles"
+    try:
+        os.stat(profiles / f"{name}.toml")
+        return
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return  # not ours to see: the daemon will say
+    try:
+        known = sorted(entry[: -len(".toml")] for entry in os.listdir(profiles) if entry.endswith(".toml"))
+    except FileNotFoundError:
+        if not (config_dir or os.environ.get(CONFIG_DIR_ENV)):
+            return
+        raise ConfigError(display_path(profiles), "", "no such profiles directory (use --config-dir or "
+                          f"{CONFIG_DIR_ENV}); nothing was started") from None
+    except OSError:
+        return
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    raise ConfigError(display_path(profiles / f"{name}.toml"), "",
+                      f"unknown profile {name!r}{hint} (profiles in {display_path(profiles)}: "
+                      f"{', '.join(known) or 'none'}); nothing was started")
+
+
+def _raise_if_start_limit_hit(unit: str, name: str, refused: str = "") -> None:
+    """StartLimitHit (exit 3) when systemd's own start rate limit refused the unit (its Result
+    "start-limit-hit"): the unit's last STATUS= then still reads what the daemon said as it
+    stopped ("stop requested"), which is not why it is down. Says the way back."""
+    from ..errors import StartLimitHit, SupervisorError
+    from ..systemd.manager import SERVICE, UNIT, Systemd
+
+    try:
+        systemd = Systemd()
+        path = systemd.unit_path(unit)
+        if path is None or str(systemd.get(path, SERVICE, "Result")) != "start-limit-hit":
+            return
+        burst = int(systemd.get(path, UNIT, "StartLimitBurst"))
+        window = int(systemd.get(path, UNIT, "StartLimitIntervalUSec")) / 1e6
+    except SupervisorError:
+        return
+    hit = (f"systemd refused to start {unit}: its start limit was hit ({burst} starts within {window:g} s, "
+           "StartLimitBurst=/StartLimitIntervalSec= of the unit; starts and restarts by hand count too)")
+    if refused:
+        raise StartLimitHit(f"{hit}; resetting it was refused ({refused}): as root, `systemctl reset-failed "
+                            f"{unit}`, or start it again once {window:g} s have passed since the first of those starts")
+    raise StartLimitHit(f"{hit}; `gpusupctl start {name}` resets the limit (reset-failed) and starts it again")
+
+
+def _restart_process(name: str, process: str, wait: bool, timeout: float) -> int:
+    """`restart NAME --process P`: the running daemon's RestartProcess (P out of its router
+    first, back in once ready), a job of the daemon, not systemd's. A refusal comes back by
+    its name (UnknownProcess exit 2, Busy exit 3, AccessDenied 1, no daemon 4); without --wait
+    the accepted job is said and the exit is 0; with --wait the job is followed (GetJob) to its
+    end and its outcome's exit code is the exit code."""
+    from ..api.client import InstanceClient
+    from ..systemd.manager import connect
+
+    client = InstanceClient(connect(), name)
+    job = client.restart_process(process)
+    if not wait:
+        print(f"restart of {process} in {name} accepted as job {job['id']}; follow it with: gpusupctl status {name}")
+        return 0
+    end = client.follow_job(job, timeout, print)
+    if end.get("state") == "running":
+        print(f"{name}: job {job['id']} (restart {process}) still running: gave up waiting after {timeout:g} s")
+        return 1
+    if end.get("state") == "done":
+        print(f"{name}: {end.get('reason') or process + ' restarted'}")
+        return 0
+    print(f"{PROG}: {name}: restart of {process} {end.get('state')}: {end.get('reason')}", file=sys.stderr)
+    code = end.get("exit_code")
+    return code if isinstance(code, int) and code else 1
 
 
 def cmd_switch(args: argparse.Namespace) -> int:

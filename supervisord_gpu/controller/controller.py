@@ -26,7 +26,7 @@ from ..checks.gpus import GpuInventory
 from ..config.model import DaemonConfig, Profile
 from ..engine.instance import Instance, Preflight
 from ..engine.states import State
-from ..errors import EXIT_GAVE_UP, EXIT_OK, PreconditionError, StartError, SupervisorError, TakeoverFailed
+from ..errors import EXIT_GAVE_UP, EXIT_OK, Busy, PreconditionError, StartError, SupervisorError, TakeoverFailed
 from ..checks.preconditions import Requirement
 from .lock import TransitionLock
 from .outcome import Job, Outcome
@@ -54,6 +54,7 @@ class InstanceController:
         self.lock = TransitionLock(cfg.runtime_dir, profile.name)
         self.stop_requested = asyncio.Event()
         self.jobs: dict[int, Job] = {}
+        self._stop_job: Job | None = None  # D-Bus Stop's job: one per life, done once stopped
         self._verb = asyncio.Lock()  # one verb at a time: a D-Bus Restart never interleaves with a stop
         self._ended: asyncio.Future[int] | None = None  # the exit code, once the instance's life is over
 
@@ -128,7 +129,10 @@ class InstanceController:
     async def stop(self, why: str = "stop requested") -> Outcome:
         async with self._verb:
             took = await self.instance.stop(why)
-        return Outcome.done(f"stopped in {took:.1f} s")
+        outcome = Outcome.done(f"stopped in {took:.1f} s")
+        if self._stop_job is not None:
+            self._stop_job.finish(outcome)
+        return outcome
 
     async def restart(self) -> Outcome:
         """Stop every process, then the whole start path again (not a shortcut around it)."""
@@ -154,22 +158,23 @@ class InstanceController:
             return Outcome.failed(f"{name} is {proc.state.value}: {proc.last_exit}")
         return Outcome.done(f"{name} restarted")
 
-    def request_stop(self) -> None:
-        """SIGTERM, D-Bus Stop: the life loop stops the instance (in order) and the daemon exits 0."""
+    def request_stop(self) -> Job:
+        """SIGTERM, D-Bus Stop: the life loop stops the instance (in order) and the daemon exits 0.
+        Returns the stop's job (asked twice, the same one), done once every process has stopped."""
+        if self._stop_job is None:
+            self._stop_job = self._keep(Job("stop"))
         self.stop_requested.set()
+        return self._stop_job
 
     # ------------------------------------------------------------------ jobs (the D-Bus verbs)
 
     def submit(self, verb: str, work: Callable[[], Awaitable[Outcome]]) -> Job:
         """Run a verb in the background and return its Job at once; a second one while a job runs
         is refused: the caller gets 'busy' rather than a pile of restarts on one instance."""
-        if any(j.state == "running" for j in self.jobs.values()):
-            raise PreconditionError(f"{self.profile.name} is busy with job "
-                                    f"{next(j.id for j in self.jobs.values() if j.state == 'running')}; try again when it is done")
-        job = Job(verb)
-        self.jobs[job.id] = job
-        while len(self.jobs) > 32:
-            del self.jobs[min(self.jobs)]
+        running = next((j for j in self.jobs.values() if j.state == "running"), None)
+        if running is not None:
+            raise Busy(f"{self.profile.name} is busy with job {running.id} ({running.verb}); try again when it is done")
+        job = self._keep(Job(verb))
 
         async def runner() -> None:
             try:
@@ -184,6 +189,13 @@ class InstanceController:
                      6 if outcome.ok else 4, "job")
 
         asyncio.get_running_loop().create_task(runner())
+        return job
+
+    def _keep(self, job: Job) -> Job:
+        """Keep `job` for GetJob: the last 32."""
+        self.jobs[job.id] = job
+        while len(self.jobs) > 32:
+            del self.jobs[min(self.jobs)]
         return job
 
     # ------------------------------------------------------------------ the daemon's life
@@ -209,6 +221,8 @@ class InstanceController:
                 await starting
             except asyncio.CancelledError:
                 pass
+            if self._stop_job is not None:
+                self._stop_job.finish(Outcome.done("stopped while starting"))
             return EXIT_OK
         told.cancel()
         outcome = starting.result()

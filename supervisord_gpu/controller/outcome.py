@@ -55,10 +55,12 @@ class Job:
     reason: str = ""
     started_at: float = field(default_factory=time.time)
     ended_at: float | None = None
+    exit_code: int | None = None  # the Outcome's, once ended: what `gpusupctl restart --wait` exits with
 
     def finish(self, outcome: Outcome) -> None:
         self.state, self.reason, self.ended_at = outcome.state, outcome.reason, time.time()
+        self.exit_code = outcome.exit_code
 
     def to_json(self) -> dict[str, object]:
         return {"id": self.id, "verb": self.verb, "state": self.state, "reason": self.reason,
-                "started_at": self.started_at, "ended_at": self.ended_at}
+                "started_at": self.started_at, "ended_at": self.ended_at, "exit_code": self.exit_code}

@@ -23,7 +23,7 @@ import signal
 import time
 from collections.abc import Sequence
 
-from ..errors import BusError, OperationFailed, OwnershipError, PermissionDenied
+from ..errors import BusError, OperationFailed, OwnershipError, PermissionDenied, UnitNotFound
 from ..systemd.manager import UNIT, Systemd
 from .base import OwnershipDriver, ProcessGroup
 from .cgroupfs import CgroupDir, cgroup2_mount
@@ -85,7 +85,7 @@ class ScopeGroup(ProcessGroup):
     def _kill_unit(self, sig: int) -> None:
         try:
             self.driver.systemd.kill(self.unit, sig)
-        except (OperationFailed, PermissionDenied, LookupError):
+        except (OperationFailed, PermissionDenied, UnitNotFound):
             if self._dir is not None:  # the unit is already gone: its cgroup, if any and if we may
                 try:
                     self._dir.kill_all(sig)
@@ -129,7 +129,7 @@ class SystemdDriver(OwnershipDriver):
                 continue
             try:
                 binds = list(self.systemd.get(path, UNIT, "BindsTo"))
-            except (OperationFailed, LookupError):
+            except (OperationFailed, UnitNotFound):
                 continue  # gone meanwhile
             if self.service in binds:
                 out.append((name, active))
@@ -151,11 +151,11 @@ class SystemdDriver(OwnershipDriver):
         """SIGKILL a scope of ours, wait for systemd's JobRemoved of its stop, clear a failed state."""
         try:
             self.systemd.kill(unit, signal.SIGKILL)
-        except (OperationFailed, LookupError):
+        except (OperationFailed, UnitNotFound):
             pass
         try:
             self.systemd.stop_and_forget(unit, timeout=10.0)
-        except (OperationFailed, LookupError):
+        except (OperationFailed, UnitNotFound):
             pass
 
     async def _create_group(self, instance: str, process: str) -> ProcessGroup:

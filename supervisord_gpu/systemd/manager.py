@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable
 from ..records import dataclass
 from typing import Any
 
-from ..bus.errors import ALREADY_SUBSCRIBED, DENIED, NO_SUCH_UNIT, NO_UNIT_FOR_PID, error_name, first_line
-from ..errors import BusError, OperationFailed, PermissionDenied
+from ..bus.errors import ALREADY_SUBSCRIBED, DENIED, NO_SUCH_UNIT, NO_UNIT_FOR_PID, error_name, remote_text
+from ..errors import BusError, OperationFailed, PermissionDenied, UnitNotFound
 from ..names import INSTANCE_NAME_RE, UNIT_PREFIX, service_name
 
 BUS = "org.freedesktop.systemd1"
@@ -111,12 +111,12 @@ class Systemd:
         try:
             reply = self.con.call_sync(BUS, path, iface, method, params, None, 0, timeout_ms, None)
         except GLib.Error as e:
-            text, name = first_line(e), error_name(e)
+            text, name = remote_text(e), error_name(e)  # systemd's words, without GLib's "GDBus.Error:NAME: "
             what = f"{method} of {args[0]}" if args and isinstance(args[0], str) and iface == MANAGER else method
             if name in DENIED:
                 raise PermissionDenied(f"{what} refused: {text}") from None
             if name == NO_SUCH_UNIT:
-                raise LookupError(text) from None
+                raise UnitNotFound(text) from None
             raise OperationFailed(f"{what} failed: {text}", name) from None
         return tuple(reply.unpack()) if reply is not None else ()
 
@@ -131,7 +131,7 @@ class Systemd:
         """The object path of a loaded unit, None if systemd does not know it now."""
         try:
             return str(self.manager("GetUnit", "s", (unit,))[0])
-        except LookupError:
+        except UnitNotFound:
             return None
 
     def load_unit(self, unit: str) -> str:
@@ -143,7 +143,7 @@ class Systemd:
     def reset_failed(self, unit: str) -> None:
         try:
             self.manager("ResetFailedUnit", "s", (unit,))
-        except (LookupError, OperationFailed):
+        except (UnitNotFound, OperationFailed):
             pass  # not failed, or already collected
 
     def reset_failed_unit(self, unit: str) -> None:
@@ -155,7 +155,7 @@ class Systemd:
         """The object path of the unit `pid` belongs to, None if systemd knows no unit for it."""
         try:
             return str(self.manager("GetUnitByPID", "u", (pid,))[0])
-        except LookupError:
+        except UnitNotFound:
             return None
         except OperationFailed as e:
             if e.name == NO_UNIT_FOR_PID:
@@ -197,7 +197,7 @@ class Systemd:
                 info.status_text = str(self.get(path, SERVICE, "StatusText"))
                 info.result = str(self.get(path, SERVICE, "Result"))
                 info.main_pid = int(self.get(path, SERVICE, "MainPID"))
-            except (OperationFailed, LookupError):
+            except (OperationFailed, UnitNotFound):
                 pass
             out.append(info)
         return out
@@ -291,7 +291,7 @@ class Systemd:
         try:
             self.subscribe()
             outcome = self._outcome_if_gone(job, method, unit)
-        except (BusError, OperationFailed, LookupError):
+        except (BusError, OperationFailed, UnitNotFound):
             return True
         if outcome is not None:
             ended[job] = outcome
@@ -304,7 +304,7 @@ class Systemd:
         try:
             self.get(job, JOB, "State")
             return None
-        except (OperationFailed, LookupError):
+        except (OperationFailed, UnitNotFound):
             pass
         state = str(self.get(self.load_unit(unit), UNIT, "ActiveState"))
         wanted = ("inactive", "failed") if method == "StopUnit" else ("active", "reloading")
