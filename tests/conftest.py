@@ -53,6 +53,7 @@ FAST_MODULES = frozenset({
     "test_cluster_failures", "test_bus_errors", "test_version", "test_cluster_decisions", "test_layers",
     "test_capabilities", "test_install_quietly",
     "test_cli_check",
+    "test_make_sh",
 })
 
 
