@@ -54,6 +54,7 @@ FAST_MODULES = frozenset({
     "test_capabilities", "test_install_quietly",
     "test_cli_check",
     "test_make_sh",
+    "test_man_pages",
 })
 
 
