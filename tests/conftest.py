@@ -55,6 +55,7 @@ FAST_MODULES = frozenset({
     "test_cli_check",
     "test_make_sh",
     "test_man_pages",
+    "test_cli_defaults",
 })
 
 
