@@ -278,17 +278,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     (what the daemon validates before it touches anything, every missing model path and GPU),
     then every GPU not idle and port not free with its holders. A profile that cannot be loaded
     at all is the one problem (exit 2). Profile problems go to stderr, one line each as for any
-    bad input; the GPU and port report to stdout. Exit: the most severe (CHECK_SEVERITY)."""
+    bad input; the GPU and port report to stdout. Exit: the most severe (_most_severe)."""
     from ..checks.preconditions import Requirement, missing_gpu_errors, survey
     from ..config.loader import effective_config, load_daemon_config, load_profile
     from ..controller.preflight import inventory_for, validate
-    from ..errors import EXIT_OK, EXIT_PRECONDITIONS, SupervisorError
+    from ..errors import EXIT_OK, EXIT_PRECONDITIONS, EXIT_USAGE, SupervisorError
 
     cfg = effective_config(load_daemon_config(args.config_dir), args.rehearsal)
     profile = load_profile(cfg, args.name)
     found: list[tuple[int, str]] = []  # (exit code, line) of each profile problem
     try:  # a missing model path comes as a warning: every one is named, and validation goes on
-        validate(profile, cfg, warn=lambda line: found.append((2, line.removeprefix("warning: "))))
+        validate(profile, cfg, warn=lambda line: found.append((EXIT_USAGE, line.removeprefix("warning: "))))
     except SupervisorError as e:
         found.insert(0, (e.exit_code, str(e)))
     report = survey(Requirement.of(profile), lambda: inventory_for(cfg, cfg.rehearsal.enabled))
@@ -317,15 +317,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     return code
 
 
-#: which exit code `check` ends with when several apply: a profile to fix first (2), then what
-#: holds the GPUs and ports (3), then the rest as they come
-CHECK_SEVERITY = (2, 3, 4, 1)
-
-
 def _most_severe(codes: list[int]) -> int:
+    """The exit code `check` ends with when several apply: a profile to fix first (2), then
+    what holds the GPUs and ports (3), then the rest as they come."""
+    from ..errors import EXIT_FAILED, EXIT_OK, EXIT_PRECONDITIONS, EXIT_UNREACHABLE, EXIT_USAGE
+
+    severity = (EXIT_USAGE, EXIT_PRECONDITIONS, EXIT_UNREACHABLE, EXIT_FAILED)
     if not codes:
-        return 0
-    return min(codes, key=lambda c: CHECK_SEVERITY.index(c) if c in CHECK_SEVERITY else len(CHECK_SEVERITY))
+        return EXIT_OK
+    return min(codes, key=lambda c: severity.index(c) if c in severity else len(severity))
 
 
 def cmd_gpus(args: argparse.Namespace) -> int:
