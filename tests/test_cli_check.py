@@ -91,6 +91,22 @@ def test_check_names_every_problem_at_once_and_exits_with_the_most_severe(tmp_pa
     assert len(data["problems"]) == 3 + 3, data["problems"]  # the profile's three, GPU 0 and the two ports
 
 
+def test_a_profile_refused_early_still_names_its_missing_model_paths_and_holders(tmp_path, capsys, listening):
+    """Validation stops at its first refusal (here a user this machine lacks); the model paths,
+    its last step, and the GPUs and ports are still checked and named."""
+    held_http, _ = listening
+    decode, router, boot, metrics = free_ports(4)
+    profile = pd_profile([held_http, decode, router, boot, metrics]).replace(
+        "[servers.decode]", '[servers.decode]\nuser = "no-such-user-here"')
+    cdir = config_dir(tmp_path, profile)
+    code, out, err = run(["check", "pd", "--config-dir", str(cdir)], capsys)
+    assert code == 2, out + err
+    lines = err.splitlines()
+    assert "servers.decode.user: no such user 'no-such-user-here'" in lines[0], err
+    assert any("servers.prefill.model_path: /models/test does not exist" in line for line in lines[1:]), err
+    assert f"port 127.0.0.1:{held_http} (prefill) held by pid {os.getpid()}" in out, out
+
+
 def test_only_something_in_the_way_is_exit_3_and_a_clear_profile_is_0(tmp_path, capsys, listening):
     held_http, _ = listening
     decode, router, boot, metrics = free_ports(4)

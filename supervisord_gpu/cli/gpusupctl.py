@@ -289,8 +289,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     found: list[tuple[int, str]] = []  # (exit code, line) of each profile problem
     try:  # a missing model path comes as a warning: every one is named, and validation goes on
         validate(profile, cfg, warn=lambda line: found.append((EXIT_USAGE, line.removeprefix("warning: "))))
-    except SupervisorError as e:
+    except SupervisorError as e:  # validation stopped before its last step, the model paths: those still count
         found.insert(0, (e.exit_code, str(e)))
+        found += [(EXIT_USAGE, line) for line in _missing_model_paths(profile, cfg)]
     report = survey(Requirement.of(profile), lambda: inventory_for(cfg, cfg.rehearsal.enabled))
     found += [(e.exit_code, str(e)) for e in missing_gpu_errors(profile, report)]
     held = report.problems(missing=False)
@@ -315,6 +316,19 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"{profile.name}: GPUs {sorted(g.index for g in report.gpus)} idle; ports {ports} free; "
               "the profile's problems above come first")
     return code
+
+
+def _missing_model_paths(profile, cfg) -> list[str]:  # type: ignore[no-untyped-def]
+    """Each server whose model path is not on this machine, as validate's last step says it
+    (a rehearsal's stand-ins need none)."""
+    import os
+
+    from ..errors import ConfigError
+
+    if cfg.rehearsal.enabled:
+        return []
+    return [str(ConfigError(profile.path, f"servers.{spec.name}.model_path", f"{spec.model_path} does not exist"))
+            for spec in profile.processes if spec.model_path and not os.path.exists(spec.model_path)]
 
 
 def _most_severe(codes: list[int]) -> int:
