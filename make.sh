@@ -10,29 +10,42 @@
 # 0775 (group-writable), and was refused one directory at a time, after 78 s of installing.
 # So, first and as root: group and other write permission come off this tree (its own files
 # only, never .git), said in one line; directories above it that others may write are named,
-# all of them, with the one command that fixes them, and nothing is installed (exit 2).
+# all of them, with the one command that fixes them, and nothing is installed (exit 2). A tree
+# that is not root's, or lies below a directory of another user, is not touched: it is named,
+# with the way out (copy it to a directory of root's, or run as its owner), exit 2.
 set -eu
 cd "$(dirname "$0")"
 here=$(pwd -P)
 
 if [ "$(id -u)" = 0 ]; then
+    # the tree and every directory above it: another user's, or writable by others (a sticky
+    # directory of root's such as /tmp is fine, as for the daemon)
+    theirs=""
+    loose_above=""
+    dir=$here
+    while :; do
+        if [ "$(stat -c %u "$dir")" != 0 ]; then
+            theirs="$theirs $dir ($(stat -c %U "$dir"))"
+        elif [ "$dir" != "$here" ] && [ -n "$(find "$dir" -maxdepth 0 -perm /022 ! -perm -1000 -print)" ]; then
+            loose_above="$loose_above $dir"
+        fi
+        [ "$dir" != / ] || break
+        dir=$(dirname "$dir")
+    done
+    if [ -n "$theirs" ]; then
+        echo "make.sh: as root the daemon refuses what another user could change, and these are not root's:$theirs;" \
+             "copy the tree to a directory of root's (cp -a $here /root/) or run make.sh as its owner" >&2
+        exit 2
+    fi
     loose=$(find . -path ./.git -prune -o ! -type l -perm /022 -print | wc -l)
     if [ "$loose" -gt 0 ]; then
         find . -path ./.git -prune -o ! -type l -perm /022 -exec chmod go-w {} +
         echo "make.sh: $here: took group and other write permission off $loose files and directories" \
              "(chmod -R go-w): as root the daemon refuses anything another user could have written"
     fi
-    above=""
-    dir=$here
-    while [ "$dir" != / ]; do
-        dir=$(dirname "$dir")
-        if [ -n "$(find "$dir" -maxdepth 0 \( ! -user root -o \( -perm /022 ! -perm -1000 \) \) -print)" ]; then
-            above="$above $dir"
-        fi
-    done
-    if [ -n "$above" ]; then
+    if [ -n "$loose_above" ]; then
         echo "make.sh: directories above $here that a user other than root may write, so as root the daemon" \
-             "would refuse everything below them:$above; fix them all with: chown root:root$above && chmod go-w$above" >&2
+             "would refuse everything below them:$loose_above; fix them all with: chmod go-w$loose_above" >&2
         exit 2
     fi
     strangers=$(find . -path ./.git -prune -o ! -user root -print | head -n 3)

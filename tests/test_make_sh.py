@@ -60,5 +60,19 @@ def test_directories_above_the_tree_that_others_may_write_are_all_named_before_a
     r = run_make_sh(tree, tmp_path)
     assert r.returncode == 2 and "make ran" not in r.stdout, r.stdout + r.stderr
     both = f"{top / 'deeper'} {top}"
-    assert f"below them: {both}; fix them all with: chown root:root {both} && chmod go-w {both}\n" in r.stderr, r.stderr
+    assert f"below them: {both}; fix them all with: chmod go-w {both}\n" in r.stderr, r.stderr
     assert (tree / "make.sh").stat().st_mode & 0o777 == 0o644  # its own tree is still fixed, and said
+
+
+def test_a_tree_of_another_user_is_named_and_left_alone(tmp_path: Path) -> None:
+    """A user's clone run as root: the daemon would refuse it whatever its modes, so make.sh
+    changes nothing of that user's and says how out, before installing anything."""
+    top = tmp_path / "home"
+    top.mkdir(mode=0o755)
+    top.chmod(0o755)
+    tree = unpacked(top)
+    os.chown(tree, 65534, 65534)  # nobody's
+    r = run_make_sh(tree, tmp_path)
+    assert r.returncode == 2 and "make ran" not in r.stdout, r.stdout + r.stderr
+    assert f"these are not root's: {tree} (nobody); copy the tree to a directory of root's" in r.stderr, r.stderr
+    assert (tree / "make.sh").stat().st_mode & 0o777 == 0o664  # untouched
