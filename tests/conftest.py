@@ -55,6 +55,10 @@ FAST_MODULES = frozenset({
     "test_docs",
     "test_dcs_contract_memory",
     "test_error_table",
+    "test_cli_check",
+    "test_make_sh",
+    "test_man_pages",
+    "test_cli_defaults",
 })
 
 

@@ -5,9 +5,10 @@ Boots a clean Debian 12 (the rig's debootstrapped tree: no make, no git, no pyth
 with a real systemd, on the host's network (apt needs the mirror; the rehearsal's ports are
 the host's then, so nothing else may run on 30000-30001 meanwhile) and given that network's
 TLS trust anchors as this host has them (give_network_trust: pip's index is reached through a
-network whose certificates only its machines trust), copies only the source
-tree to /root/supervisord-gpu, and runs the README's rehearsal command there as root, as
-written. Prints what it printed and the time; writes bench/results/fresh-debian-root.json.
+network whose certificates only its machines trust), unpacks only the source tree to
+/root/supervisord-gpu as root from a tar with `git archive`'s modes (0664/0775: group-writable,
+as a download is; `sh make.sh` must fix that first, and the result says whether it did), and
+runs the README's rehearsal command there as root, as written. Prints what it printed and the time; writes bench/results/fresh-debian-root.json.
 With `test`, it then checks what the done-when of "first hour" asks of that machine: no unit
 enabled or running afterwards that was not before (the installed packages' own, and those their
 Recommends brought: etcd, prometheus, its node exporter and collectors' timers, smartd, ...),
@@ -43,16 +44,32 @@ TREE = "/root/supervisord-gpu"
 SKIP = {".git", ".venv", "build", "dist", ".pytest_cache", ".mypy_cache", ".hypothesis", ".sgl", "__pycache__"}
 
 
+def as_git_archive_writes_it(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    """An entry as `git archive` writes it (its tar.umask is 002): root's, files 0664 (0775 if
+    executable), directories 0775. Unpacked as root, tar keeps those modes: the tree is
+    group-writable, which the daemon refuses as root, and which `sh make.sh` must fix first."""
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    info.mode = 0o775 if info.isdir() or info.mode & 0o100 else 0o664
+    return info
+
+
 def source_tree() -> bytes:
-    """The checkout's files as a tar, without git's or any build's: what a download holds."""
+    """The checkout's files as a tar, without git's or any build's: what a download holds, with
+    the modes `git archive` gives them."""
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                             capture_output=True, check=True).stdout.decode().split("\0")
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
+        dirs: set[str] = set()
         for name in filter(None, listed):
             path = REPO / name
             if path.is_file() and not SKIP & set(Path(name).parts):
-                tar.add(path, arcname=name)
+                for parent in reversed(Path(name).parents[:-1]):  # each directory once, before its files
+                    if str(parent) not in dirs:
+                        dirs.add(str(parent))
+                        tar.add(REPO / parent, arcname=str(parent), recursive=False, filter=as_git_archive_writes_it)
+                tar.add(path, arcname=name, filter=as_git_archive_writes_it)
     return buf.getvalue()
 
 
@@ -165,6 +182,7 @@ def main() -> int:
             **({"verified_after_stop": "verified after stop" in r.stdout} if command == "rehearse" else {}),
             **({"summary": pytest_summaries(r.stdout)} if command == "test" else {}),
             **({"not_passed": re.findall(r"^(?:FAILED|ERROR) (\S+)", r.stdout, re.M)} if command == "test" else {}),
+            "modes_fixed": "took group and other write permission off" in r.stdout,
             "passed_through": re.search(r"passed through (?:for .* )?in a mount namespace", r.stdout + r.stderr) is not None,
             **({"left_on_the_machine": left} if left is not None else {}),
         }

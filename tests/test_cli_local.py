@@ -95,6 +95,25 @@ def test_a_running_rehearsal_is_seen_by_other_commands_and_leaves_nothing_behind
     assert set(Path("/tmp").glob("supervisord-gpu-rehearsal*")) == before
 
 
+@pytest.mark.parametrize("how", ["the package's /etc/supervisord-gpu", "SUPERVISORD_GPU_CONFIG_DIR"])
+def test_rehearse_runs_with_the_config_found_as_an_admin_finds_it(tmp_path, cgroups, how):
+    """`gpusupctl rehearse NAME` as the README has it after installing: no --config-dir. It was
+    "internal error: TypeError: expected str, bytes or os.PathLike object, not NoneType"."""
+    from package_etc import GPUSUPCTL, available, run_as_installed
+
+    cdir = rehearse_config_dir(tmp_path, cgroups, pd_profile(free_ports(5)), "server_startup = 0.3")
+    if how == "SUPERVISORD_GPU_CONFIG_DIR":
+        r = subprocess.run([*GPUSUPCTL, "rehearse", "pd"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "SUPERVISORD_GPU_CONFIG_DIR": str(cdir)})
+    else:
+        if available() is not None:
+            pytest.skip(available())
+        r = run_as_installed(cdir, [*GPUSUPCTL, "rehearse", "pd"], timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "verified after stop: GPUs [0, 1] idle" in out, out
+    assert "internal error" not in out, out
+
+
 def test_a_failed_rehearsal_leaves_nothing_behind_either(tmp_path, cgroups):
     profile = pd_profile(free_ports(5), prefill_extra='[servers.prefill.env]\nSUPERVISORD_GPU_STANDIN_FAULT = "crash-on-start"\n')
     cdir = rehearse_config_dir(tmp_path, cgroups, profile, "server_startup = 0.2")

@@ -9,6 +9,7 @@ bound read-only into each container at /debs.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -181,5 +182,63 @@ def test_installed_package_runs_an_instance_that_root_and_users_can_see_but_only
     assert c.is_active("dsv4@tp4-512k") == "active"
     journal = c.journal("dsv4@*")
     assert "Load weight begin" in journal and "The server is fired up and ready to roll!" in journal
+    c.run(["gpusupctl", "stop", "tp4-512k", "--wait"], timeout=120)
+    assert c.is_active("dsv4@tp4-512k") == "inactive"
+
+
+STRANGER = ("import socket, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+            "s.bind(('0.0.0.0', 30001)); s.listen(); time.sleep(600)")  # REUSEADDR: the rehearsal's connections linger
+
+
+def test_every_verb_works_as_an_admin_calls_it_after_installing(container, deb: Path) -> None:  # type: ignore[no-untyped-def]
+    """The README's and the man page's commands, exactly: no --config-dir (the package's
+    /etc/supervisord-gpu), then $SUPERVISORD_GPU_CONFIG_DIR. `rehearse tp4-512k` was "internal
+    error: TypeError: expected str, bytes or os.PathLike object, not NoneType"; `check` stopped
+    at the missing model path and never named the stranger on the router's port."""
+    c = container
+    _apt(c, "install", "--no-install-recommends", f"/debs/{deb.name}")
+
+    rehearsed = c.run(["gpusupctl", "rehearse", "tp4-512k", "--startup", "0.5"], check=False, timeout=180)
+    out = rehearsed.stdout + rehearsed.stderr
+    assert rehearsed.returncode == 0 and "verified after stop: GPUs [0, 1, 2, 3] idle" in out, out
+    assert "internal error" not in out, out
+
+    c.run(["systemd-run", "--unit=stranger", "/usr/bin/python3", "-c", STRANGER])
+    from support import wait_for
+
+    wait_for(lambda: ":30001" in c.run(["ss", "-Hltn"]).stdout, 10, "the stranger listening", interval=0.2)
+    stranger = int(c.systemctl("show", "-P", "MainPID", "stranger.service").stdout)
+    checked = c.run(["gpusupctl", "check", "tp4-512k", "--rehearsal"], check=False)
+    assert checked.returncode == 3 and f"port 0.0.0.0:30001 (router) held by pid {stranger}" in checked.stdout, \
+        checked.stdout + checked.stderr
+    checked = c.run(["gpusupctl", "check", "tp4-512k"], check=False)  # production: no model here, no NVML
+    assert checked.returncode == 2, checked.stdout + checked.stderr
+    assert "tp4-512k.toml: servers.server.model_path: " in checked.stderr, checked.stderr
+    assert f"port 0.0.0.0:30001 (router) held by pid {stranger}" in checked.stdout, checked.stdout
+    assert "GPUs not checked: " in checked.stdout, checked.stdout
+    c.systemctl("stop", "stranger.service")
+
+    assert json.loads(c.run(["gpusupctl", "gpus", "--rehearsal", "--json"]).stdout)["backend"] == "simulated"
+    assert "standin_server" in c.run(["gpusupctl", "render", "tp4-512k", "--rehearsal"]).stdout
+    dry = c.run(["gpusupctl", "switch", "tp4-512k", "--dry-run"])
+    assert dry.stdout.startswith("plan: switch to tp4-512k") and "servers.server.model_path" in dry.stderr, dry.stdout
+    status = c.run(["gpusupctl", "status"], check=False)
+    assert status.returncode == 0 and "dsv4@tp4-512k.service" in status.stdout, status.stdout + status.stderr
+
+    # the environment variable: a config directory of the admin's own
+    c.run(["cp", "-a", "/etc/supervisord-gpu", "/srv/gpusup"])
+    c.run(["mv", "/srv/gpusup/profiles/tp4-512k.toml", "/srv/gpusup/profiles/mine.toml"])
+    env = {"SUPERVISORD_GPU_CONFIG_DIR": "/srv/gpusup"}
+    assert "--tp-size 4" in c.run(["gpusupctl", "render", "mine"], env=env).stdout
+    mine = c.run(["gpusupctl", "check", "mine", "--rehearsal"], env=env, check=False)
+    assert mine.returncode == 0 and mine.stdout.startswith("mine: profile valid"), mine.stdout + mine.stderr
+    assert c.run(["gpusupctl", "render", "mine"], check=False).returncode == 2  # not in /etc/supervisord-gpu
+
+    # the systemd verbs, on stand-ins (no GPU here)
+    rehearse_in_package_config(c, server_startup=0.5)
+    c.run(["gpusupctl", "start", "tp4-512k", "--wait"], timeout=120)
+    assert c.is_active("dsv4@tp4-512k") == "active"
+    c.run(["gpusupctl", "restart", "tp4-512k", "--wait"], timeout=120)
+    assert "Load weight begin" in c.run(["gpusupctl", "logs", "tp4-512k", "server", "-n", "200"]).stdout
     c.run(["gpusupctl", "stop", "tp4-512k", "--wait"], timeout=120)
     assert c.is_active("dsv4@tp4-512k") == "inactive"

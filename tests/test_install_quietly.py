@@ -87,3 +87,33 @@ def test_a_failed_install_is_its_exit_status_and_still_leaves_nothing_enabled(tm
     done = install(tmp_path, root, "prometheus", apt_text=FAKE_APT + "exit 100\n")
     assert done.returncode == 100, done.stderr
     assert links(root) == {"multi-user.target.wants/theirs.service"}, done.stderr
+
+
+def test_an_apt_holding_its_lock_is_waited_for_not_a_failure(tmp_path: Path) -> None:
+    """`make deb` while another apt runs (unattended-upgrades on a fresh machine) failed at once:
+    `apt-get update` does not wait for the lists' lock. It is retried until the lock is free;
+    apt-get install is told to wait for dpkg's (DPkg::Lock::Timeout)."""
+    root = machine(tmp_path)
+    busy = tmp_path / "busy-twice"
+    busy.write_text("2")
+    holder = f"""#!/bin/sh
+if [ "$1" = update ]; then
+    n=$(cat {busy}); [ "$n" -gt 0 ] || exit 0
+    echo $((n - 1)) > {busy}
+    echo "E: Could not get lock /var/lib/apt/lists/lock. It is held by process 4242 (apt-get)" >&2; exit 100
+fi
+echo "$@" > {tmp_path}/install-args
+exit 0
+"""
+    done = install(tmp_path, root, "prometheus", apt_text=holder)
+    assert done.returncode == 0, done.stderr
+    assert "another apt holds its lock; waiting for it" in done.stderr and busy.read_text().strip() == "0"
+    assert "-oDPkg::Lock::Timeout=600" in (tmp_path / "install-args").read_text().split()
+    busy.write_text("99")
+    apt = tmp_path / "apt-get"
+    env = {**os.environ, "INSTALL_ROOT": str(root), "APT_GET": str(apt), "APT_LOCK_WAIT": "2"}
+    gave_up = subprocess.run(["sh", str(SCRIPT), "prometheus"], env=env, capture_output=True, text=True, timeout=60)
+    assert gave_up.returncode != 0 and "still holds its lock after 2 s" in gave_up.stderr, gave_up.stderr
+    offline = "#!/bin/sh\n[ \"$1\" = update ] && { echo 'E: Failed to fetch' >&2; exit 100; }\nexit 0\n"
+    failed = install(tmp_path, root, "prometheus", apt_text=offline)
+    assert failed.returncode != 0 and "waiting" not in failed.stderr, failed.stderr  # no lock: not retried

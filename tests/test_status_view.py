@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
+
 from supervisord_gpu.cli.status_view import render
 
 REASON = ("failed: prefill: scheduler failed; restart 5/5 within 600 s: restart limit reached, "
@@ -28,3 +32,34 @@ def test_the_reason_is_never_cut_however_long():
 def test_a_ready_server_that_sglang_says_is_not_serving_is_marked_so():
     assert "not serving (paused, latched by a failed /health, or draining)" in render(_data(serving=False), colour=False)
     assert "not serving" not in render(_data(serving=True), colour=False)
+
+
+ANSI = re.compile(r"\033\[[0-9;]*m")
+
+
+def _gpus(data: dict) -> dict:  # type: ignore[type-arg]
+    held = [{"pid": 4242, "owner": None, "description": "x"}]
+    data["gpus"] = [{"index": 0, "name": "H200", "used_mib": 0, "total_mib": 143771, "idle": True, "holders": []},
+                    {"index": 1, "name": "H200", "used_mib": 90000, "total_mib": 143771, "idle": False, "holders": held}]
+    return data
+
+
+@pytest.mark.parametrize("state", ["failed", "ready"])
+def test_colours_take_no_columns(state):
+    """Painted or not, a person sees the same columns: `failed` keeps its spacing, `yes` is
+    not glued to what follows."""
+    plain = render(_gpus(_data(state=state)), colour=False, width=100)
+    painted = render(_gpus(_data(state=state)), colour=True, width=100)
+    assert "\033[" in painted and ANSI.sub("", painted) == plain
+    assert f"{'dsv4@pd-1p1d.service':<28} {state:<10}  since 50s" in plain
+    assert f"0   {'0/143771 MiB':<22}yes   -" in plain and f"1   {'90000/143771 MiB':<22}no    pid 4242 (foreign)" in plain
+
+
+def test_the_reason_wraps_at_the_terminals_width(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "160")  # what shutil.get_terminal_size reads first, as a terminal would set it
+    wide = render(_data(), colour=False).splitlines()
+    assert max(len(line) for line in wide if "x" * 10 not in line) > 100, wide
+    assert all(len(line) <= 160 for line in wide)
+    monkeypatch.setenv("COLUMNS", "80")
+    narrow = render(_data(), colour=False).splitlines()
+    assert len(narrow) > len(wide) and all(len(line) <= 80 for line in narrow if "x" * 10 not in line)

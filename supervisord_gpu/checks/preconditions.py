@@ -9,6 +9,9 @@ last holder's death, and names holders (a walk over /proc, milliseconds) only wh
 progress and at its deadline. Every read runs in a worker thread: NVML and /proc can block,
 and the daemon's loop reaps children and answers clients meanwhile.
 
+`survey` is `check` for `gpusupctl check`: a GPU inventory that cannot be read is one more
+problem in the report, not the end of it, so the ports are still checked and their holders named.
+
 Also here: the renderings the CLI prints (`gpusupctl gpus`, `gpusupctl check --json`).
 """
 
@@ -18,7 +21,7 @@ from ..records import dataclass
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Iterable
 
-from ..errors import PreconditionError
+from ..errors import ConfigError, PreconditionError, SupervisorError
 from .gpus import GpuInventory, GpuState
 from .holders import Holder, describe_gpu_pid
 
@@ -54,6 +57,7 @@ class PreconditionReport:
     gpu_holders: the holders of each required GPU (empty for idle ones); left empty by the
     cheap polls of wait_until_clear (attributed=False). missing_gpus: required indices the
     inventory lacks (a config error, not something to wait for). gpu_count: GPUs visible.
+    gpu_error: why the GPUs could not be read at all (survey only; the ports were still checked).
     """
 
     gpus: list[GpuState]
@@ -63,14 +67,19 @@ class PreconditionReport:
     gpu_count: int | None = None
     attributed: bool = True
     backend: str | None = None
+    gpu_error: str | None = None
 
     @property
     def ok(self) -> bool:
-        return not self.missing_gpus and all(g.idle for g in self.gpus) and all(p.free for p in self.ports)
+        return (not self.missing_gpus and self.gpu_error is None and all(g.idle for g in self.gpus)
+                and all(p.free for p in self.ports))
 
-    def problems(self) -> list[str]:
-        """One line per GPU or port not clear, naming every holder."""
-        lines = [_missing_problem(i, self.gpu_count) for i in self.missing_gpus]
+    def problems(self, missing: bool = True) -> list[str]:
+        """One line per GPU or port not clear, naming every holder. missing=False leaves out the
+        GPUs the machine lacks: `gpusupctl check` names those as the profile keys that ask for them."""
+        lines = [_missing_problem(i, self.gpu_count) for i in self.missing_gpus] if missing else []
+        if self.gpu_error is not None:
+            lines.append(f"GPUs not checked: {self.gpu_error}")
         lines += [_gpu_problem(g, self.gpu_holders.get(g.index)) for g in self.gpus if not g.idle]
         lines += [p.problem() or "" for p in self.ports if not p.free]
         return lines
@@ -109,6 +118,27 @@ class PreconditionReport:
 def check(req: Requirement, inventory: GpuInventory) -> PreconditionReport:
     """The required GPUs and ports now, every holder named. Blocking: call it off the loop."""
     return _probe(req, inventory, attribute=True)
+
+
+def survey(req: Requirement, open_inventory: Callable[[], GpuInventory]) -> PreconditionReport:
+    """`check` for a person asking what stands in a profile's way: a GPU inventory that cannot be
+    opened or read (no NVML, a driver in trouble) becomes the report's gpu_error, and the ports
+    are still checked, every holder named. A start still stops at such an error (check)."""
+    try:
+        return check(req, open_inventory())
+    except SupervisorError as e:
+        from .ports import check_ports
+
+        return PreconditionReport([], check_ports(req.ports), {}, [], None, True, None, gpu_error=str(e))
+
+
+def missing_gpu_errors(profile: Profile, report: PreconditionReport) -> list[ConfigError]:
+    """Each profile key that asks for a GPU the machine lacks: a configuration error, not
+    something to wait for (what the daemon raises for the first of them, preflight.py)."""
+    total = report.gpu_count if report.gpu_count is not None else len(report.gpus)
+    return [ConfigError(profile.path, f"servers.{spec.name}.gpus[{i}]",
+                        f"GPU {g} does not exist (this machine has {total} visible GPU(s))")
+            for spec in profile.processes for i, g in enumerate(spec.gpus) if g in report.missing_gpus]
 
 
 def _probe(req: Requirement, inventory: GpuInventory, attribute: bool) -> PreconditionReport:

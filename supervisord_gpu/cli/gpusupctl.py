@@ -171,7 +171,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     cfg = records.replace(cfg, cache_dir=runtime / "cache", rehearsal=rehearsal,
                               cgroup_root=cgroup_root, ownership=ownership)
     profile = load_profile(cfg, args.name)
-    _reach_from_servers(cfg, profile, args.config_dir)
+    _reach_from_servers(cfg, profile)
     t0 = time.monotonic()
     out = sys.stdout
 
@@ -204,9 +204,11 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     return code
 
 
-def _reach_from_servers(cfg, profile, config_dir: str) -> None:  # type: ignore[no-untyped-def]
+def _reach_from_servers(cfg, profile) -> None:  # type: ignore[no-untyped-def]
     """The servers' users reach the code they run and the rehearsal's directories, wherever
-    the checkout lies (/root included): rehearsal/reach.py says how."""
+    the checkout lies (/root included): rehearsal/reach.py says how. The config directory is
+    the one the loader resolved (--config-dir, $SUPERVISORD_GPU_CONFIG_DIR or the package's
+    /etc/supervisord-gpu), never the raw option: without it that was Path(None)."""
     from pathlib import Path
 
     import supervisord_gpu
@@ -214,7 +216,7 @@ def _reach_from_servers(cfg, profile, config_dir: str) -> None:  # type: ignore[
     from ..errors import UsageError
 
     needed = [Path(sys.prefix), Path(sys.base_prefix), Path(supervisord_gpu.__file__).parent.parent,
-              cfg.runtime_dir, Path(config_dir)]
+              cfg.runtime_dir, Path(cfg.config_dir)]
     try:
         covered = make_reachable(needed, {p.user for p in profile.processes if p.user})
     except OSError as e:  # a mount refused (no CAP_SYS_ADMIN in a container): one line, nothing started
@@ -277,26 +279,72 @@ def _verify_clear(cfg, profile) -> int:  # type: ignore[no-untyped-def]
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from ..checks.preconditions import Requirement, check
-    from ..config.loader import load_daemon_config, load_profile
-    from ..config.loader import effective_config
-    from ..errors import EXIT_PRECONDITIONS
-    from ..controller.preflight import inventory_for, raise_for_missing, validate
+    """Everything that stands in the profile's way, all at once: the profile's own problems
+    (what the daemon validates before it touches anything, every missing model path and GPU),
+    then every GPU not idle and port not free with its holders. A profile that cannot be loaded
+    at all is the one problem (exit 2). Profile problems go to stderr, one line each as for any
+    bad input; the GPU and port report to stdout. Exit: the most severe (_most_severe)."""
+    from ..checks.preconditions import Requirement, missing_gpu_errors, survey
+    from ..config.loader import effective_config, load_daemon_config, load_profile
+    from ..controller.preflight import inventory_for, validate
+    from ..errors import EXIT_OK, EXIT_PRECONDITIONS, EXIT_USAGE, SupervisorError
 
     cfg = effective_config(load_daemon_config(args.config_dir), args.rehearsal)
     profile = load_profile(cfg, args.name)
-    validate(profile, cfg)  # exactly what the daemon validates before it touches anything
-    report = check(Requirement.of(profile), inventory_for(cfg, cfg.rehearsal.enabled))
-    raise_for_missing(profile, report)
+    found: list[tuple[int, str]] = []  # (exit code, line) of each profile problem
+    try:  # a missing model path comes as a warning: every one is named, and validation goes on
+        validate(profile, cfg, warn=lambda line: found.append((EXIT_USAGE, line.removeprefix("warning: "))))
+    except SupervisorError as e:  # validation stopped before its last step, the model paths: those still count
+        found.insert(0, (e.exit_code, str(e)))
+        found += [(EXIT_USAGE, line) for line in _missing_model_paths(profile, cfg)]
+    report = survey(Requirement.of(profile), lambda: inventory_for(cfg, cfg.rehearsal.enabled))
+    found += [(e.exit_code, str(e)) for e in missing_gpu_errors(profile, report)]
+    held = report.problems(missing=False)
+    code = _most_severe([c for c, _ in found] + ([EXIT_PRECONDITIONS] if held else []))
     if args.json:
-        print(json.dumps({"profile": profile.name, "ok": report.ok, **report.to_json()}, indent=2))
-    elif report.ok:
+        print(json.dumps({**report.to_json(), "profile": profile.name, "ok": code == EXIT_OK, "exit_code": code,
+                          "gpu_error": report.gpu_error, "profile_problems": [line for _, line in found],
+                          "problems": [line for _, line in found] + held}, indent=2))
+        return code
+    for _, line in found:
+        print(f"{PROG}: {line}", file=sys.stderr)
+    sys.stderr.flush()
+    if code == EXIT_OK:
         print(f"{profile.name}: profile valid; GPUs {sorted(profile.gpus)} idle; ports {', '.join(str(listen.port) for listen in profile.listens())} free")
-    else:
-        print(f"{profile.name}: profile valid, but preconditions are not met:")
-        for line in report.problems():
+    elif held:
+        print(f"{profile.name}: " + ("profile valid, but preconditions are not met:" if not found
+                                     else "preconditions are not met either:"))
+        for line in held:
             print(f"  {line}")
-    return 0 if report.ok else EXIT_PRECONDITIONS
+    else:
+        ports = ", ".join(str(listen.port) for listen in profile.listens())
+        print(f"{profile.name}: GPUs {sorted(g.index for g in report.gpus)} idle; ports {ports} free; "
+              "the profile's problems above come first")
+    return code
+
+
+def _missing_model_paths(profile, cfg) -> list[str]:  # type: ignore[no-untyped-def]
+    """Each server whose model path is not on this machine, as validate's last step says it
+    (a rehearsal's stand-ins need none)."""
+    import os
+
+    from ..errors import ConfigError
+
+    if cfg.rehearsal.enabled:
+        return []
+    return [str(ConfigError(profile.path, f"servers.{spec.name}.model_path", f"{spec.model_path} does not exist"))
+            for spec in profile.processes if spec.model_path and not os.path.exists(spec.model_path)]
+
+
+def _most_severe(codes: list[int]) -> int:
+    """The exit code `check` ends with when several apply: a profile to fix first (2), then
+    what holds the GPUs and ports (3), then the rest as they come."""
+    from ..errors import EXIT_FAILED, EXIT_OK, EXIT_PRECONDITIONS, EXIT_UNREACHABLE, EXIT_USAGE
+
+    severity = (EXIT_USAGE, EXIT_PRECONDITIONS, EXIT_UNREACHABLE, EXIT_FAILED)
+    if not codes:
+        return EXIT_OK
+    return min(codes, key=lambda c: severity.index(c) if c in severity else len(severity))
 
 
 def cmd_gpus(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""`gpusupctl status`: collect what can be known, say what cannot, and lay it out in 80 columns."""
+"""`gpusupctl status`: collect what can be known, say what cannot, and lay it out as wide as the
+terminal is (80 columns when the output is not a terminal, as in a pipe or a script)."""
 
 from __future__ import annotations
 
@@ -110,14 +111,30 @@ def _ranges(gpus: list[int]) -> str:
     return gpu_ranges(gpus) if gpus else "-"
 
 
-def render(data: dict[str, Any], colour: bool | None = None) -> str:
+#: the narrowest layout: below it the columns would not hold their headings
+MIN_WIDTH = 60
+
+
+def terminal_width() -> int:
+    """The terminal's columns ($COLUMNS first, as shutil does), 80 when not on a terminal."""
+    import shutil
+
+    return max(MIN_WIDTH, shutil.get_terminal_size((80, 24)).columns)
+
+
+def render(data: dict[str, Any], colour: bool | None = None, width: int | None = None) -> str:
+    """The text of `status`: `width` columns (default: the terminal's), colours only on a
+    terminal. Colour codes take no columns: every cell is padded by the width a person sees."""
     colour = sys.stdout.isatty() if colour is None else colour
+    width = terminal_width() if width is None else max(MIN_WIDTH, width)
     paint = {"active": "32", "ready": "32", "failed": "31", "activating": "33", "starting": "33", "degraded": "33",
              "deactivating": "33", "stopping": "33", "restarting": "33"}
 
-    def c(text: str, key: str | None = None) -> str:
+    def c(text: str, key: str | None = None, pad: int = 0) -> str:
+        """`text` painted for `key`, padded to `pad` visible columns (the padding unpainted)."""
         code = paint.get(key or text)
-        return f"\033[{code}m{text}\033[0m" if colour and code else text
+        padding = " " * max(0, pad - len(text))
+        return (f"\033[{code}m{text}\033[0m" if colour and code else text) + padding
 
     now = data["at"]
     lines: list[str] = []
@@ -129,7 +146,7 @@ def render(data: dict[str, Any], colour: bool | None = None) -> str:
         if sub and sub not in ("running", "dead", "exited", "failed", "start", shown):
             shown = f"{shown} ({sub})"  # e.g. "activating (auto-restart)", "deactivating (stop-sigterm)"
         up = f"  {'up' if state == 'active' else 'since'} {_ago(now - inst['since'])}" if inst["since"] else ""
-        head = f"{inst['unit']:<28} {c(shown, daemon['state'] if daemon else state):<10}{up}"
+        head = f"{inst['unit']:<28} {c(shown, daemon['state'] if daemon else state, 10)}{up}"
         lines.append(head)
         text = inst["status_text"] or (daemon or {}).get("reason", "")
         last = inst.get("last_status_text", "")
@@ -138,9 +155,9 @@ def render(data: dict[str, Any], colour: bool | None = None) -> str:
         if state == "failed" and inst["result"]:
             text = f"{text} (result: {inst['result']})".strip()
         if text:
-            lines += _wrapped(text, "  ")
+            lines += _wrapped(text, "  ", width)
         elif last:
-            lines += _wrapped(f"last status (daemon gone): {last}", "  ")
+            lines += _wrapped(f"last status (daemon gone): {last}", "  ", width)
         if daemon:
             lines.append(f"  {'PROCESS':<9}{'ROLE':<8}{'PID':>8} {'PORT':>6} {'GPUS':<6}{'PHASE':<20}{'RST':>3}  HEALTH")
             for p in daemon["processes"]:
@@ -152,7 +169,7 @@ def render(data: dict[str, Any], colour: bool | None = None) -> str:
                        if p["state"] == "ready" and p.get("serving") is False else "")
                 )
                 if p.get("last_error") and p["state"] in ("failed", "restarting", "stopped"):
-                    lines += _wrapped(f"last error: {p['last_error']}", "    ")  # root and the control group see it
+                    lines += _wrapped(f"last error: {p['last_error']}", "    ", width)  # root and the control group see it
     if not data["instances"]:
         lines.append("no dsv4@ instances and no profiles found")
     if data["gpus"] is not None:
@@ -161,16 +178,21 @@ def render(data: dict[str, Any], colour: bool | None = None) -> str:
         for g in data["gpus"]:
             held = ", ".join(h["owner"] or f"pid {h['pid']} (foreign)" for h in g["holders"]) or "-"
             mem = f"{g['used_mib']}/{g['total_mib']} MiB"
-            lines.append(f"{'':<14}{g['index']:<4}{mem:<22}{c('yes', 'ready') if g['idle'] else c('no', 'failed'):<6}{held[:33]}")
+            idle = c("yes", "ready", 6) if g["idle"] else c("no", "failed", 6)
+            lines.append(f"{'':<14}{g['index']:<4}{mem:<22}{idle}{_clip(held, width - 47)}")
     for note in data["notes"]:
-        lines.append(f"note: {note}")
+        lines += _wrapped(f"note: {note}", "", width)
     return "\n".join(lines)
 
 
-def _wrapped(text: str, indent: str, width: int = 78) -> list[str]:
+def _clip(text: str, room: int) -> str:
+    return text if len(text) <= room else text[: max(1, room - 1)] + "…"
+
+
+def _wrapped(text: str, indent: str, width: int = 80) -> list[str]:
     """A reason is never cut: "restart limit reached" comes last in a long one. Wrapped at
-    word boundaries, continuation lines indented two more."""
+    word boundaries two columns short of `width`, continuation lines indented two more."""
     import textwrap
 
-    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=indent + "  ",
+    return textwrap.wrap(text, width - 2, initial_indent=indent, subsequent_indent=indent + "  ",
                          break_long_words=True, break_on_hyphens=False) or [indent]

@@ -25,13 +25,37 @@ after=$(mktemp)
 trap 'rm -f "$before" "$after"' EXIT
 find "$units" -type l 2>/dev/null | sort >"$before"
 
+# Another apt may hold its locks meanwhile (unattended-upgrades on a fresh machine, a second
+# `make deb`): wait for it, up to APT_LOCK_WAIT seconds, instead of failing at once. apt-get
+# waits for dpkg's lock itself (DPkg::Lock::Timeout) but not `update` for the lists' lock: that
+# one is retried here, and only that failure.
+lock_wait=${APT_LOCK_WAIT:-600}
+apt_update() {
+    waited=0
+    while :; do
+        out=$("$apt" update -qq 2>&1) && { [ -z "$out" ] || printf '%s\n' "$out"; return 0; }
+        case "$out" in
+            *"Could not get lock"* | *"Unable to lock"*) ;;
+            *) printf '%s\n' "$out" >&2; return 1 ;;
+        esac
+        if [ "$waited" -ge "$lock_wait" ]; then
+            printf '%s\n' "$out" >&2
+            echo "install_quietly: another apt still holds its lock after ${lock_wait} s" >&2
+            return 1
+        fi
+        [ "$waited" -gt 0 ] || echo "install_quietly: another apt holds its lock; waiting for it (up to ${lock_wait} s)" >&2
+        sleep 2
+        waited=$((waited + 2))
+    done
+}
+
 ours=
 if [ ! -e "$policy" ]; then  # an existing one is the machine's: left as it is
     ours=1
     printf '#!/bin/sh\nexit 101\n' >"$policy"
     chmod 755 "$policy"
 fi
-"$apt" update -qq && DEBIAN_FRONTEND=noninteractive "$apt" install -y -qq "$@" >/dev/null
+apt_update && DEBIAN_FRONTEND=noninteractive "$apt" install -y -qq "-oDPkg::Lock::Timeout=$lock_wait" "$@" >/dev/null
 rc=$?
 [ -z "$ours" ] || rm -f "$policy"
 
