@@ -1,7 +1,8 @@
 """`gpusupctl`: the operator's tool. One command tree; read commands take --json.
 
-Exit codes: 0 ok, 1 operation failed, 2 bad usage or profile, 3 preconditions not met,
-4 daemon or bus not reachable. Imports are deferred to the command that needs them, so
+Exit codes (errors.py's table): 0 ok, 1 operation failed, 2 bad usage or profile,
+3 preconditions not met, 4 daemon, bus or etcd not reachable, 5 a takeover failed (rolled
+back), 6 the instance gave up; a refusal of the daemon exits with the daemon's code. Imports are deferred to the command that needs them, so
 `gpusupctl gpus` does not pay for D-Bus and `status` does not pay for NVML.
 """
 
@@ -25,7 +26,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Inspect and control supervisord-gpu instances (dsv4@NAME.service).",
-        epilog="exit codes: 0 ok, 1 operation failed, 2 bad usage or profile, 3 preconditions not met, 4 daemon or bus unreachable",
+        epilog="exit codes: 0 ok, 1 operation failed, 2 bad usage or profile, 3 preconditions not met, 4 daemon, bus or etcd "
+               "unreachable, 5 takeover failed (rolled back), 6 the instance gave up",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
