@@ -38,6 +38,7 @@ class GroupsHold:
 
 def pytest_configure(config):  # type: ignore[no-untyped-def]
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    os.environ.setdefault("GPUSUP_STRICT_STATES", "1")  # an illegal state move raises (engine/states.py)
     config.pluginmanager.register(MatrixTables(), "fault-matrix-tables")
     config.pluginmanager.register(GroupsHold(), "xdist-groups-hold")
 
@@ -52,6 +53,7 @@ FAST_MODULES = frozenset({
     "test_cluster_config", "test_cluster_plan", "test_cluster_records", "test_cluster_fuzz",
     "test_cluster_failures", "test_bus_errors", "test_version", "test_cluster_decisions", "test_layers",
     "test_capabilities", "test_install_quietly",
+    "test_state_tables",
 })
 
 
