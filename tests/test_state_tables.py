@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 import asyncio
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -125,7 +124,7 @@ class RecordingSink:
 
 
 class SleepGroup(ProcessGroup):
-    """A group of one real `sleep`: its pid while it lives."""
+    """A group of one real child (a shell looping on `sleep`): its pid while it lives."""
 
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc, self.name, self.cgroup = proc, f"fake-{proc.pid}", ""
@@ -149,10 +148,13 @@ class SleepGroup(ProcessGroup):
 
 
 class SleepDriver:
-    """The ownership driver's interface, spawning `sleep` for every process."""
+    """The ownership driver's interface, spawning a sleeping shell for every process."""
 
     name = "fake"
     weak = False
+
+    #: a child that exits 0 on SIGUSR1 (a clean exit, which the on-failure policy does not restart)
+    ARGV = ("sh", "-c", "trap 'exit 0' USR1; while :; do sleep 0.05; done")
 
     def __init__(self) -> None:
         self.spawned: list[int] = []
@@ -164,7 +166,7 @@ class SleepDriver:
         pass
 
     async def spawn(self, req: SpawnRequest) -> Spawned:
-        proc = await asyncio.create_subprocess_exec("sleep", "60", stdout=asyncio.subprocess.PIPE,
+        proc = await asyncio.create_subprocess_exec(*self.ARGV, stdout=asyncio.subprocess.PIPE,
                                                     stderr=asyncio.subprocess.PIPE)
         self.spawned.append(proc.pid)
         return Spawned(proc, SleepGroup(proc))
@@ -173,8 +175,8 @@ class SleepDriver:
 PROFILE = """
     [restart]
     max_restarts = {max_restarts}
-    backoff_initial = 0.01
-    backoff_max = 0.02
+    backoff_initial = {backoff}
+    backoff_max = {backoff}
     [servers.alpha]
     gpus = [0]
     port = {a}
@@ -186,12 +188,12 @@ PROFILE = """
     """
 
 
-def idle_instance(sink: RecordingSink, max_restarts: int = 5, tmp: Path | None = None) -> Instance:
+def idle_instance(sink: RecordingSink, max_restarts: int = 5, tmp: Path | None = None, backoff: float = 0.01) -> Instance:
     import tempfile
 
     root = Path(tmp or tempfile.mkdtemp(prefix="state-tables-"))
     a, b = free_ports(2)
-    cdir = write_config(root, {"p": PROFILE.format(a=a, b=b, max_restarts=max_restarts)}, root / "cgroup")
+    cdir = write_config(root, {"p": PROFILE.format(a=a, b=b, max_restarts=max_restarts, backoff=backoff)}, root / "cgroup")
     cfg = load_daemon_config(cdir)
     profile = load_profile(cfg, "p")
     instance = Instance(profile, render(profile, cfg, {}), SleepDriver(), sink)  # type: ignore[arg-type]
@@ -216,7 +218,8 @@ class Moves:
 
 
 @pytest.fixture
-def engine(monkeypatch, tmp_path) -> Iterator[tuple[Instance, RecordingSink, Moves]]:  # type: ignore[no-untyped-def]
+def engine_with(monkeypatch, tmp_path):  # type: ignore[no-untyped-def]
+    """Builds an Instance of two servers over the fakes, with the given restart backoff."""
     async def answer(*args: object, **kwargs: object) -> ProbeResult:
         return ProbeResult(200, True)
 
@@ -227,9 +230,18 @@ def engine(monkeypatch, tmp_path) -> Iterator[tuple[Instance, RecordingSink, Mov
     monkeypatch.setattr(process_module.ManagedProcess, "_listeners", ours)
     monkeypatch.setattr(process_module.ManagedProcess, "_start_liveness", lambda self: None)
     monkeypatch.setattr(process_module.ManagedProcess, "_prepare_dirs", lambda self: None)
-    sink = RecordingSink()
-    instance = idle_instance(sink, max_restarts=2, tmp=tmp_path)
-    yield instance, sink, Moves(instance)
+
+    def build(backoff: float = 0.01) -> tuple[Instance, RecordingSink, Moves]:
+        sink = RecordingSink()
+        instance = idle_instance(sink, max_restarts=2, tmp=tmp_path, backoff=backoff)
+        return instance, sink, Moves(instance)
+
+    return build
+
+
+@pytest.fixture
+def engine(engine_with) -> tuple[Instance, RecordingSink, Moves]:  # type: ignore[no-untyped-def]
+    return engine_with()  # type: ignore[no-any-return]
 
 
 def run(coro):  # type: ignore[no-untyped-def]
@@ -298,7 +310,7 @@ def test_past_the_limit_the_instance_gives_up_through_its_table(engine):
         await instance.start()
         for n in (1, 2):
             crash(alpha)
-            await until(lambda: alpha.crash_restarts.started == n and alpha.state == ProcessState.READY, f"restart {n}")
+            await until(lambda n=n: alpha.crash_restarts.started == n and alpha.state == ProcessState.READY, f"restart {n}")
         crash(alpha)
         await asyncio.wait_for(instance.failed.wait(), 10)
 
@@ -307,6 +319,24 @@ def test_past_the_limit_the_instance_gives_up_through_its_table(engine):
     assert alpha.state == ProcessState.FAILED and instance.processes["beta"].state == ProcessState.STOPPED
     assert ("instance", "stopping", "failed") in moves.seen and ("process", "stopped", "failed") in moves.seen
     assert not [m for m, _, _ in sink.events if "illegal" in m]
+
+
+def test_a_restart_waiting_out_its_backoff_when_the_instance_gives_up_never_starts_its_process(engine_with, tmp_path):
+    instance, _, _ = engine_with(backoff=0.5)
+    alpha, beta = instance.processes["alpha"], instance.processes["beta"]
+
+    async def go() -> int:
+        await instance.start()
+        crash(beta)  # restarted after 0.5 s
+        await until(lambda: beta.state == ProcessState.STOPPED, "beta waiting out its backoff")
+        alpha.spawned.proc.send_signal(signal.SIGUSR1)  # exit 0: the on-failure policy gives up
+        await asyncio.wait_for(instance.failed.wait(), 10)
+        spawned = len(instance.owner.spawned)
+        await asyncio.sleep(0.8)
+        return len(instance.owner.spawned) - spawned
+
+    assert run(go()) == 0, "beta was started again in a failed instance"
+    assert instance.state == InstanceState.FAILED and beta.state == ProcessState.STOPPED
 
 
 def test_the_instance_writes_nothing_of_a_process_but_its_exit_callback():
