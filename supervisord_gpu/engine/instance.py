@@ -272,7 +272,14 @@ class Instance:
             return
         if self.state in (InstanceState.STOPPING, InstanceState.STOPPED, InstanceState.FAILED) or proc.name in self._restart_tasks:
             return
-        self._restart_tasks[proc.name] = asyncio.get_running_loop().create_task(self._recover(proc))
+        task = self._restart_tasks[proc.name] = asyncio.get_running_loop().create_task(self._recover(proc))
+        task.add_done_callback(self._recovery_ended)
+
+    def _recovery_ended(self, task: asyncio.Task[None]) -> None:
+        """A crash recovery must not end silently: an error of ours in it (an illegal state move
+        under the tests, say) is named, where nobody awaits the task."""
+        if not task.cancelled() and task.exception() is not None:
+            self.sink.event(f"crash recovery failed: {task.exception()!r}", 2, GPUSUP_EVENT="restart-error")
 
     async def restart_process(self, name: str) -> None:
         """An operator's restart of one process: stopped in its own time (the drain is whole), started
