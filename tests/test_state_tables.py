@@ -28,6 +28,7 @@ from supervisord_gpu.engine.events import Event
 from supervisord_gpu.engine.instance import Instance
 from supervisord_gpu.engine.probe import ProbeResult
 from supervisord_gpu.engine.restarts import CrashRestarts
+from supervisord_gpu.errors import PreconditionError
 from supervisord_gpu.engine.states import (
     INSTANCE_MOVES,
     PROCESS_MOVES,
@@ -300,6 +301,20 @@ def test_crash_recovery_and_an_operator_restart_keep_separate_ledgers(engine):
         await instance.stop()
 
     run(go())
+
+
+def test_an_operators_restart_of_an_instance_that_is_not_ready_is_refused_and_starts_nothing(engine):
+    instance, _, _ = engine
+
+    async def go() -> None:
+        await instance.start()
+        await instance.stop()
+        with pytest.raises(PreconditionError, match="p is stopped, not ready: alpha is not restarted"):
+            await instance.restart_process("alpha")
+
+    run(go())
+    assert instance.state == InstanceState.STOPPED and instance.processes["alpha"].state == ProcessState.STOPPED
+    assert len(instance.owner.spawned) == 2
 
 
 def test_past_the_limit_the_instance_gives_up_through_its_table(engine):

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from ..config.model import ProcessSpec, Profile
 from ..config.render import Launch
-from ..errors import StartError, SupervisorError
+from ..errors import PreconditionError, StartError, SupervisorError
 from ..ownership.base import OwnershipDriver
 from .events import Event, Listener, LogSink
 from .process import START_STALL_S, Again, ManagedProcess, ProcessStatus
@@ -284,9 +284,14 @@ class Instance:
     async def restart_process(self, name: str) -> None:
         """An operator's restart of one process: stopped in its own time (the drain is whole), started
         at once, and counted toward nothing (engine/restarts.py). A start that fails gives up on the
-        instance, as it would at a start: the operator is watching, and the policy is for crashes."""
+        instance, as it would at a start: the operator is watching, and the policy is for crashes.
+
+        Refused unless the instance is ready or degraded: a stop may have come between the caller's
+        look and this call, and a process started again in a stopped instance would run unsupervised."""
         if name not in self.processes:
             raise KeyError(name)
+        if self.state not in (InstanceState.READY, InstanceState.DEGRADED):
+            raise PreconditionError(f"{self.name} is {self.state.value}, not ready: {name} is not restarted")
         proc = self.processes[name]
         self._set_state(InstanceState.DEGRADED, f"{proc.name} restarting (requested)")
         try:
