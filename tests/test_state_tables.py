@@ -110,6 +110,12 @@ def test_a_crash_ledger_counts_admitted_crashes_in_its_window_and_refuses_past_t
     assert ledger.admit(RestartPolicy(mode="always"), 0, 100.0).allowed
 
 
+def test_a_profile_without_a_restart_table_gets_the_policy_records_own_defaults(tmp_path):
+    (a,) = free_ports(1)
+    cdir = write_config(tmp_path, {"p": f'[servers.a]\ngpus = [0]\nport = {a}\nmodel_path = "/m"\n'}, tmp_path / "cg")
+    assert load_profile(load_daemon_config(cdir), "p").restart == RestartPolicy()
+
+
 # ---------------------------------------------------------------------- the real engine over fakes
 
 
@@ -262,7 +268,7 @@ def crash(proc) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_start_crash_recovery_operator_restart_and_stop_make_only_moves_of_the_tables(engine):
-    instance, _, moves = engine
+    instance, sink, moves = engine
     alpha = instance.processes["alpha"]
 
     async def go() -> None:
@@ -283,6 +289,7 @@ def test_start_crash_recovery_operator_restart_and_stop_make_only_moves_of_the_t
     assert ("process", "ready", "restarting") in moves.seen and ("process", "stopped", "restarting") in moves.seen
     assert ("instance", "degraded", "ready") in moves.seen
     assert ("process", "stopped", "starting") in moves.seen
+    assert not [m for m, priority, _ in sink.events if priority <= 2 or "illegal" in m], "an error of ours was logged"
 
 
 def test_crash_recovery_and_an_operator_restart_keep_separate_ledgers(engine):
