@@ -65,34 +65,38 @@ class State(enum.StrEnum):
 _I = InstanceState
 _P = ProcessState
 
-#: An instance's allowed moves. A move to the same state re-says why (a new reason), where listed.
+#: An instance's allowed moves. A move to its own state says a new reason (where listed).
 INSTANCE_MOVES: Mapping[InstanceState, frozenset[InstanceState]] = {
-    # fail(): a daemon that cannot even read its GPUs says so before any start
+    # STOPPING: a stop of a stopped instance (it stops nothing, in order);
+    # FAILED: fail() before any start (a daemon that cannot read its GPUs says so)
     _I.STOPPED: frozenset({_I.STARTING, _I.STOPPING, _I.FAILED}),
     # STARTING again: the preflight passed ("checking" is over); STOPPED: stopped while starting
     _I.STARTING: frozenset({_I.STARTING, _I.READY, _I.FAILED, _I.STOPPED}),
-    # DEGRADED: a process restarts; STOPPING: a stop, or giving up on a process the policy never restarts
+    # DEGRADED: a process restarts; STOPPING: a stop, or giving up on a crash the policy refuses
     _I.READY: frozenset({_I.DEGRADED, _I.STOPPING}),
-    # DEGRADED again: another process restarts too
+    # DEGRADED again: another process restarts too; READY: every process is ready again
     _I.DEGRADED: frozenset({_I.DEGRADED, _I.READY, _I.STOPPING}),
     # FAILED: the last step of giving up (everything is stopped first)
     _I.STOPPING: frozenset({_I.STOPPED, _I.FAILED}),
-    # FAILED again: the controller's own words for the failed start (what was rolled back)
+    # FAILED again: the controller's words for a failed start (what was rolled back);
+    # STARTING: started again; STOPPING: the stop after giving up
     _I.FAILED: frozenset({_I.FAILED, _I.STARTING, _I.STOPPING}),
 }
 
-#: A process's allowed moves.
+#: A process's allowed moves. Set to its own state with nothing new to say, it does not move.
 PROCESS_MOVES: Mapping[ProcessState, frozenset[ProcessState]] = {
-    # RESTARTING: started again by a restart; STOPPING: a stop of a run that already ended
-    # (its group is emptied and released all the same); FAILED: given up on, once stopped
+    # RESTARTING: started again by a restart (a crash's or an operator's); STOPPING: a stop of a
+    # run that already ended (its group is emptied and released all the same); FAILED: given up
+    # on, once stopped
     _P.STOPPED: frozenset({_P.STARTING, _P.RESTARTING, _P.STOPPING, _P.FAILED}),
     # STOPPED: the spawn itself failed (nothing ran, nothing to stop)
     _P.STARTING: frozenset({_P.READY, _P.STOPPING, _P.STOPPED}),
-    # RESTARTING: it died and the policy restarts it
+    # RESTARTING: it died and the policy restarts it; STOPPING: a stop, or an operator's restart
     _P.READY: frozenset({_P.RESTARTING, _P.STOPPING}),
     # STOPPING: what is left of the dead run is killed before the backoff, or a stop
     _P.RESTARTING: frozenset({_P.READY, _P.STOPPING}),
     _P.STOPPING: frozenset({_P.STOPPED}),
+    # STARTING: its instance is started again; STOPPING: the instance's stop
     _P.FAILED: frozenset({_P.STARTING, _P.STOPPING}),
 }
 
