@@ -1,7 +1,7 @@
 """The state machines as data (engine/states.py): the tables, and the real engine held to them.
 
 The engine runs here for real (Instance and ManagedProcess, their start, stop, crash recovery and
-operator restart), with only what lies below it faked: the ownership driver spawns `sleep`
+operator restart), with only what lies below it faked: the ownership driver spawns a sleeping shell
 instead of a server, and the readiness probe answers 200. No server starts, nothing boots: the
 fast tier. Every state move the engine makes is checked against its table as it is made
 (GPUSUP_STRICT_STATES=1, set by conftest.py), so a move the code makes and the table forgot fails
@@ -77,9 +77,9 @@ def test_the_metrics_label_sets_are_the_enums():
     assert metrics.PROCESS_STATES == tuple(s.value for s in ProcessState)
 
 
-def test_an_illegal_move_raises_under_the_tests_and_is_logged_and_made_in_production(monkeypatch):
+def test_an_illegal_move_raises_under_the_tests_and_is_logged_and_made_in_production(monkeypatch, tmp_path):
     sink = RecordingSink()
-    instance = idle_instance(sink)
+    instance = idle_instance(sink, tmp=tmp_path)
     with pytest.raises(IllegalTransition, match="instance p: stopped -> ready"):
         instance._set_state(InstanceState.READY)
     assert instance.state == InstanceState.STOPPED
@@ -195,10 +195,8 @@ PROFILE = """
     """
 
 
-def idle_instance(sink: RecordingSink, max_restarts: int = 5, tmp: Path | None = None, backoff: float = 0.01) -> Instance:
-    import tempfile
-
-    root = Path(tmp or tempfile.mkdtemp(prefix="state-tables-"))
+def idle_instance(sink: RecordingSink, tmp: Path, max_restarts: int = 5, backoff: float = 0.01) -> Instance:
+    root = tmp
     a, b = free_ports(2)
     cdir = write_config(root, {"p": PROFILE.format(a=a, b=b, max_restarts=max_restarts, backoff=backoff)}, root / "cgroup")
     cfg = load_daemon_config(cdir)
@@ -240,7 +238,7 @@ def engine_with(monkeypatch, tmp_path):  # type: ignore[no-untyped-def]
 
     def build(backoff: float = 0.01) -> tuple[Instance, RecordingSink, Moves]:
         sink = RecordingSink()
-        instance = idle_instance(sink, max_restarts=2, tmp=tmp_path, backoff=backoff)
+        instance = idle_instance(sink, tmp_path, max_restarts=2, backoff=backoff)
         return instance, sink, Moves(instance)
 
     return build
