@@ -31,7 +31,7 @@ from . import __version__
 from .config.model import MetricsConfig
 from .sglang import logs as phases
 from .engine.events import Event
-from .engine.states import State
+from .engine.states import InstanceState, ProcessState
 from .errors import SupervisorError
 
 if TYPE_CHECKING:
@@ -41,8 +41,9 @@ if TYPE_CHECKING:
 
 PREFIX = "supervisord_gpu"
 
-INSTANCE_STATES = ("stopped", "starting", "ready", "degraded", "stopping", "failed")
-PROCESS_STATES = ("stopped", "starting", "ready", "restarting", "stopping", "failed")
+#: the `state` label sets: every word of the engine's tables, in their order (engine/states.py)
+INSTANCE_STATES = tuple(s.value for s in InstanceState)
+PROCESS_STATES = tuple(s.value for s in ProcessState)
 
 #: engine phase -> the `phase` label of the start-up histogram ("total": launch to ready)
 PHASE_LABELS = {
@@ -193,24 +194,24 @@ class MetricsExporter:
     def _instance_changed(self) -> None:
         inst = self.instance
         _one_hot(self.instance_state, (self.profile,), INSTANCE_STATES, inst.state.value)
-        if inst.state == State.READY and self._fresh(("instance", "start"), inst.last_start_s):
+        if inst.state == InstanceState.READY and self._fresh(("instance", "start"), inst.last_start_s):
             self.instance_start.labels(self.profile).observe(inst.last_start_s)  # type: ignore[arg-type]
-        if inst.state in (State.STOPPED, State.FAILED) and self._fresh(("instance", "stop"), inst.last_stop_s):
+        if inst.state in (InstanceState.STOPPED, InstanceState.FAILED) and self._fresh(("instance", "stop"), inst.last_stop_s):
             self.instance_stop.labels(self.profile).observe(inst.last_stop_s)  # type: ignore[arg-type]
 
     def _process_changed(self, proc: ManagedProcess) -> None:
         labels = (self.profile, proc.name, proc.spec.role)
         _one_hot(self.process_state, labels, PROCESS_STATES, proc.state.value)
-        self.process_ready.labels(*labels).set(1 if proc.state == State.READY else 0)
+        self.process_ready.labels(*labels).set(1 if proc.state == ProcessState.READY else 0)
         new_restarts = proc.restarts_total - self._counted_restarts.get(proc.name, 0)
         if new_restarts > 0:
             self.restarts.labels(*labels).inc(new_restarts)
             self._counted_restarts[proc.name] = proc.restarts_total
-        if proc.state == State.READY and self._fresh(("ready", proc.name), proc.phase_durations.get("total")):
+        if proc.state == ProcessState.READY and self._fresh(("ready", proc.name), proc.phase_durations.get("total")):
             for phase, label in PHASE_LABELS.items():
                 if phase in proc.phase_durations:
                     self.startup_phase.labels(self.profile, proc.name, label).observe(proc.phase_durations[phase])
-        if proc.state == State.STOPPED and self._fresh(("stop", proc.name), proc.last_stop_s):
+        if proc.state == ProcessState.STOPPED and self._fresh(("stop", proc.name), proc.last_stop_s):
             self.stop_seconds.labels(self.profile, proc.name).observe(proc.last_stop_s)  # type: ignore[arg-type]
 
     def _fresh(self, key: tuple[str, str], value: float | None) -> bool:

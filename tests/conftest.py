@@ -38,6 +38,7 @@ class GroupsHold:
 
 def pytest_configure(config):  # type: ignore[no-untyped-def]
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    os.environ.setdefault("GPUSUP_STRICT_STATES", "1")  # an illegal state move raises (engine/states.py)
     config.pluginmanager.register(MatrixTables(), "fault-matrix-tables")
     config.pluginmanager.register(GroupsHold(), "xdist-groups-hold")
 
@@ -59,6 +60,7 @@ FAST_MODULES = frozenset({
     "test_make_sh",
     "test_man_pages",
     "test_cli_defaults",
+    "test_state_tables",
 })
 
 

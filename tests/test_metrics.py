@@ -25,7 +25,6 @@ from supervisord_gpu.config.loader import load_daemon_config, load_profile
 from supervisord_gpu.config.model import MetricsConfig
 from supervisord_gpu.config.render import render
 from supervisord_gpu.engine.instance import Instance
-from supervisord_gpu.engine.states import State
 from supervisord_gpu.metrics import MetricsExporter, MetricsUnavailable, reason_codes
 from supervisord_gpu.rehearsal.setup import prepare
 from support import CgroupSandbox, free_ports, make_instance, pd_profile, write_config
@@ -392,7 +391,7 @@ def test_a_failing_gpu_inventory_reports_itself_down_without_failing_the_scrape(
 def test_state_gauges_follow_events_as_they_arrive(idle_instance):
     exporter, _ = local_exporter(idle_instance)
     idle_instance.listeners.append(exporter.on_event)
-    idle_instance._set_state(State.FAILED, "refusing to start: GPU 0 not idle")  # a refused start
+    idle_instance.fail("refusing to start: GPU 0 not idle")  # a refused start
     s = Scrape(_exposition(exporter))
     assert s.value("supervisord_gpu_instance_state", profile="pd", state="failed") == 1
     assert s.value("supervisord_gpu_instance_state", profile="pd", state="stopped") == 0

@@ -28,6 +28,7 @@ from .model import (
     ProcessSpec,
     Profile,
     RehearsalConfig,
+    RESTART_MODES,
     RestartPolicy,
 )
 from ..sglang import timing
@@ -350,12 +351,13 @@ def parse_profile(name: str, path: Path, data: dict[str, Any], default_user: str
     stop_order_raw = top.list("stop_order", _process_name(path), None)
 
     rt = top.table("restart")
+    unset = RestartPolicy()  # the defaults are written once, on the record
     restart = RestartPolicy(
-        mode=rt.str("mode", "on-failure", choices=("never", "on-failure", "always")),
-        max_restarts=rt.int("max_restarts", 5, lo=0, hi=1000),
-        window_s=rt.number("window", 600.0, lo=1.0, hi=7 * 86400),
-        backoff_initial_s=rt.number("backoff_initial", 1.0, lo=0.0, hi=3600),
-        backoff_max_s=rt.number("backoff_max", 30.0, lo=0.0, hi=3600),
+        mode=rt.str("mode", unset.mode, choices=RESTART_MODES),
+        max_restarts=rt.int("max_restarts", unset.max_restarts, lo=0, hi=1000),
+        window_s=rt.number("window", unset.window_s, lo=1.0, hi=7 * 86400),
+        backoff_initial_s=rt.number("backoff_initial", unset.backoff_initial_s, lo=0.0, hi=3600),
+        backoff_max_s=rt.number("backoff_max", unset.backoff_max_s, lo=0.0, hi=3600),
     )
     rt.finish()
 

@@ -46,9 +46,15 @@ class Probe:
         return self.failures * (self.liveness_interval_s + self.liveness_timeout_s)
 
 
+RestartMode = Literal["never", "on-failure", "always"]
+RESTART_MODES: tuple[RestartMode, ...] = ("never", "on-failure", "always")
+
+
 @dataclass(frozen=True)
 class RestartPolicy:
-    mode: Literal["never", "on-failure", "always"] = "on-failure"
+    """A profile's [restart] table; these defaults are the loader's too (config/loader.py)."""
+
+    mode: RestartMode = "on-failure"
     max_restarts: int = 5
     window_s: float = 600.0
     backoff_initial_s: float = 1.0

@@ -1,6 +1,8 @@
 """An instance: one profile running. Ordered, parallel-where-possible start; ordered stop; restarts.
 
-The instance is the only owner of its processes' state, and lives on one asyncio loop.
+The instance lives on one asyncio loop. It owns its own state and orders its processes'
+lives; each process owns its state and its restart ledgers (engine/process.py, restarts.py),
+and the instance changes them only through the process's methods.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from typing import Protocol
 
 from ..config.model import ProcessSpec, Profile
 from ..config.render import Launch
-from ..errors import StartError, SupervisorError
+from ..errors import PreconditionError, StartError, SupervisorError
 from ..ownership.base import OwnershipDriver
 from .events import Event, Listener, LogSink
-from .process import START_STALL_S, ManagedProcess, ProcessStatus
-from .states import State
+from .process import START_STALL_S, Again, ManagedProcess, ProcessStatus
+from .states import INSTANCE_MOVES, InstanceState, ProcessState, check_move
 from .traffic import RouterWorkers, wait_drained
 
 Preflight = Callable[[], Awaitable[None]]
@@ -79,7 +81,7 @@ class Instance:
         self.sink = sink
         self.leftovers = leftovers
         self.listeners: list[Listener] = []
-        self.state = State.STOPPED
+        self.state = InstanceState.STOPPED
         self.reason = ""
         self.since = time.time()
         self.started_at: float | None = None
@@ -110,7 +112,10 @@ class Instance:
             except Exception as e:  # a broken listener must not break supervision
                 self.sink.event(f"listener failed: {e!r}", 4)
 
-    def _set_state(self, state: State, reason: str = "") -> None:
+    def _set_state(self, state: InstanceState, reason: str = "") -> None:
+        """The one place its state changes: checked against INSTANCE_MOVES (engine/states.py)."""
+        check_move(INSTANCE_MOVES, f"instance {self.name}", self.state, state,
+                   lambda why: self.sink.event(why, 3, GPUSUP_EVENT="illegal-state-move"))
         self.state, self.reason, self.since = state, reason, time.time()
         self._emit(Event("instance", self.name, reason or state.value, state=state.value))
 
@@ -137,7 +142,7 @@ class Instance:
     def fail(self, reason: str) -> None:
         """The instance failed for `reason` (one line, our words): STATUS= and every reader say so."""
         self.transition = ""
-        self._set_state(State.FAILED, reason.splitlines()[0] if reason else "failed")
+        self._set_state(InstanceState.FAILED, reason.splitlines()[0] if reason else "failed")
 
     async def start(self, preflight: Preflight | None = None) -> None:
         """Bring every process to ready, or leave nothing running and raise. Cancelled (told to
@@ -146,7 +151,7 @@ class Instance:
             began = time.monotonic()
             self.started_at = time.time()
             self.cancel_reason = ""
-            self._set_state(State.STARTING, "checking")
+            self._set_state(InstanceState.STARTING, "checking")
             try:
                 cleaned = await self.owner.reclaim_leftovers(self.name, self.leftovers, list(self.processes))
                 self.owner.guard(self.name)
@@ -161,7 +166,7 @@ class Instance:
             except asyncio.CancelledError:
                 self._stopped_while_starting()
                 raise
-            self._set_state(State.STARTING)
+            self._set_state(InstanceState.STARTING)
             try:
                 await self._start_all()
             except asyncio.CancelledError:
@@ -183,7 +188,7 @@ class Instance:
                 raise StartError(reason) from e
             self.last_start_s = time.monotonic() - began
             self.ready_at = time.time()
-            self._set_state(State.READY)
+            self._set_state(InstanceState.READY)
             self.sink.event(
                 f"instance ready in {self.last_start_s:.2f} s",
                 6,
@@ -228,7 +233,7 @@ class Instance:
         why = self.cancel_reason or "stopped while starting"
         self.sink.event(f"{why}; what had started is stopped", 4, GPUSUP_EVENT="stopped-while-starting")
         self.transition = ""
-        self._set_state(State.STOPPED, why)
+        self._set_state(InstanceState.STOPPED, why)
 
     # ------------------------------------------------------------------ stop
 
@@ -237,9 +242,9 @@ class Instance:
         for task in self._restart_tasks.values():
             task.cancel()
         async with self._lock:
-            self._set_state(State.STOPPING, reason)
+            self._set_state(InstanceState.STOPPING, reason)
             took = await self._stop_all()
-            self._set_state(State.STOPPED, reason)
+            self._set_state(InstanceState.STOPPED, reason)
             return took
 
     async def _stop_all(self) -> float:
@@ -261,20 +266,40 @@ class Instance:
     # ------------------------------------------------------------------ restarts
 
     def _on_unexpected_exit(self, proc: ManagedProcess) -> None:
-        if self.state == State.STARTING and self._start_abort is not None:
+        if self.state == InstanceState.STARTING and self._start_abort is not None:
             self._start_failure = StartError(proc._failure(f"exited during start-up ({proc.last_exit})"))
             self._start_abort.set()
             return
-        if self.state in (State.STOPPING, State.STOPPED, State.FAILED) or proc.name in self._restart_tasks:
+        if self.state in (InstanceState.STOPPING, InstanceState.STOPPED, InstanceState.FAILED) or proc.name in self._restart_tasks:
             return
-        self._restart_tasks[proc.name] = asyncio.get_running_loop().create_task(self._restart(proc, policy_driven=True))
+        task = self._restart_tasks[proc.name] = asyncio.get_running_loop().create_task(self._recover(proc))
+        task.add_done_callback(self._recovery_ended)
+
+    def _recovery_ended(self, task: asyncio.Task[None]) -> None:
+        """A crash recovery must not end silently: an error of ours in it (an illegal state move
+        under the tests, say) is named, where nobody awaits the task."""
+        if not task.cancelled() and task.exception() is not None:
+            self.sink.event(f"crash recovery failed: {task.exception()!r}", 2, GPUSUP_EVENT="restart-error")
 
     async def restart_process(self, name: str) -> None:
-        """Operator-requested restart of one process (counts toward nothing)."""
+        """An operator's restart of one process: stopped in its own time (the drain is whole), started
+        at once, and counted toward nothing (engine/restarts.py). A start that fails gives up on the
+        instance, as it would at a start: the operator is watching, and the policy is for crashes.
+
+        Refused unless the instance is ready or degraded: a stop may have come between the caller's
+        look and this call, and a process started again in a stopped instance would run unsupervised."""
         if name not in self.processes:
             raise KeyError(name)
+        if self.state not in (InstanceState.READY, InstanceState.DEGRADED):
+            raise PreconditionError(f"{self.name} is {self.state.value}, not ready: {name} is not restarted")
         proc = self.processes[name]
-        await self._restart(proc, policy_driven=False)
+        self._set_state(InstanceState.DEGRADED, f"{proc.name} restarting (requested)")
+        try:
+            workers = await self._out_of_traffic(proc)
+            await proc.stop()
+            await self._bring_back(proc, workers, "request")
+        except StartError as e:
+            await self._give_up(proc, str(e))
 
     def _router_of(self, proc: ManagedProcess) -> ManagedProcess | None:
         """The router of this instance that sends traffic to `proc`, if any."""
@@ -292,7 +317,7 @@ class Instance:
         worker API to put it back with, or None when no serving router fronts it.
         """
         router = self._router_of(proc)
-        if router is None or router.state != State.READY:
+        if router is None or router.state != ProcessState.READY:
             return None
         workers = router.router_api()  # the instance's control-plane key, only to the router's own process
         began = time.monotonic()
@@ -316,67 +341,58 @@ class Instance:
                                              else f"back in {workers.router.name}"),
                         4 if why else 6, GPUSUP_PROCESS=proc.name, GPUSUP_EVENT="traffic")
 
-    async def _restart(self, proc: ManagedProcess, policy_driven: bool) -> None:
+    async def _recover(self, proc: ManagedProcess) -> None:
+        """Crash recovery, the restart policy's: `proc` died after ready. Restarted after its backoff
+        while the policy's window and limit allow (its crash ledger), else the instance gives up.
+        Runs as the process's restart task, which a stop cancels."""
         policy = self.profile.restart
-        workers: RouterWorkers | None = None
         try:
-            if policy_driven:
-                now = time.monotonic()
-                proc.restart_times = [t for t in proc.restart_times if now - t < policy.window_s]
-                policy_says_no = policy.mode == "never" or (policy.mode == "on-failure" and proc.exit_code == 0)
-                if policy_says_no:
-                    await self._give_up(proc, f"{proc.name} {proc.last_exit}; restart policy {policy.mode!r}")
-                    return
-                if len(proc.restart_times) >= policy.max_restarts:
-                    await self._give_up(proc, f"{proc.name} {proc.last_exit}; restart limit reached "
-                                              f"({len(proc.restart_times)}/{policy.max_restarts} in {policy.window_s:g} s)")
-                    return
-                proc.restart_times.append(now)
-                attempt = len(proc.restart_times)
-                delay = policy.backoff(attempt)
-                self._set_state(State.DEGRADED, f"{proc.name} restarting ({attempt}/{policy.max_restarts})")
-                proc._set_state(State.RESTARTING, f"{proc.last_exit}; restart {attempt} in {delay:g} s")
-                self.sink.event(
-                    f"{proc.name}: {proc.exit_report}; restart {attempt}/{policy.max_restarts} in {delay:g} s",
-                    4,
-                    GPUSUP_PROCESS=proc.name,
-                    GPUSUP_EVENT="restart",
-                )
-                workers = await self._out_of_traffic(proc)  # dead: the router must stop sending to it now
-                await proc.stop(timeout=0.0)  # nothing of the dead one may linger (orphaned schedulers)
-                await asyncio.sleep(delay)
-            else:
-                self._set_state(State.DEGRADED, f"{proc.name} restarting (requested)")
-                workers = await self._out_of_traffic(proc)
-                await proc.stop()
-            proc.restarts_total += 1
-            await proc.start()
-            await proc.wait_ready()
-            await self._back_in_traffic(proc, workers)
-            if all(p.state == State.READY for p in self.processes.values()):
-                self._set_state(State.READY)
-        except StartError as e:
-            if policy_driven:
-                self._restart_tasks.pop(proc.name, None)
-                proc.on_unexpected_exit = None
-                await proc.stop(timeout=0.0)
-                proc.on_unexpected_exit = self._on_unexpected_exit
-                self._on_unexpected_exit(proc)
+            verdict = proc.crash_restarts.admit(policy, proc.exit_code, time.monotonic())
+            if not verdict.allowed:
+                await self._give_up(proc, f"{proc.name} {proc.last_exit}; {verdict.refusal}")
                 return
-            await self._give_up(proc, str(e))
-        except asyncio.CancelledError:
-            raise
+            self._set_state(InstanceState.DEGRADED, f"{proc.name} restarting ({verdict.attempt}/{policy.max_restarts})")
+            proc.await_restart(verdict)
+            self.sink.event(
+                f"{proc.name}: {proc.exit_report}; restart {verdict.attempt}/{policy.max_restarts} in {verdict.delay_s:g} s",
+                4,
+                GPUSUP_PROCESS=proc.name,
+                GPUSUP_EVENT="restart",
+            )
+            workers = await self._out_of_traffic(proc)  # dead: the router must stop sending to it now
+            await proc.stop(timeout=0.0)  # nothing of the dead one may linger (orphaned schedulers)
+            await asyncio.sleep(verdict.delay_s)
+            await self._bring_back(proc, workers, "crash")
+        except StartError:
+            # it died again before it was ready: one more crash, through the same policy
+            self._restart_tasks.pop(proc.name, None)
+            proc.on_unexpected_exit = None
+            await proc.stop(timeout=0.0)
+            proc.on_unexpected_exit = self._on_unexpected_exit
+            self._on_unexpected_exit(proc)
         finally:
             if self._restart_tasks.get(proc.name) is asyncio.current_task():
                 self._restart_tasks.pop(proc.name, None)
 
+    async def _bring_back(self, proc: ManagedProcess, workers: RouterWorkers | None, again: Again) -> None:
+        """Start `proc` again (stopped now), wait for it, put it back behind its router; the
+        instance is READY again once every process is (and nothing gave up meanwhile)."""
+        await proc.start(again)
+        await proc.wait_ready()
+        await self._back_in_traffic(proc, workers)
+        if self.state == InstanceState.DEGRADED and all(p.state == ProcessState.READY for p in self.processes.values()):
+            self._set_state(InstanceState.READY)
+
     async def _give_up(self, proc: ManagedProcess, why: str) -> None:
         self.sink.event(f"giving up: {why}; stopping the instance", 3, GPUSUP_EVENT="failed", GPUSUP_PROCESS=proc.name)
+        for task in list(self._restart_tasks.values()):  # another process's backoff must not start it again
+            if task is not asyncio.current_task():
+                task.cancel()
         async with self._lock:  # never interleaved with a start or a stop
-            self._set_state(State.STOPPING, why)
+            self._set_state(InstanceState.STOPPING, why)
             await self._stop_all()
         proc.mark_failed(why)
-        self._set_state(State.FAILED, why)
+        self._set_state(InstanceState.FAILED, why)
         self.failed.set()
 
 

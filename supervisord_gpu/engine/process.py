@@ -14,6 +14,7 @@ import signal
 import time
 from ..records import dataclass, field
 from collections.abc import Callable, Mapping
+from typing import Literal
 
 from ..checks.ports import ListenerOwnership, check_ports, listener_ownership
 from ..config.render import Launch
@@ -28,8 +29,12 @@ from .events import Event, LogSink
 from .liveness import LivenessWatch
 from .output import OutputSplitter
 from .probe import ProbeResult, probe, request, who_accepted
+from .restarts import CrashRestarts, RequestedRestarts, Verdict
+from .states import PROCESS_MOVES, ProcessState, check_move
 from .traffic import RouterWorkers
-from .states import State
+
+#: why a process is started again: a crash the policy restarts, or an operator's request
+Again = Literal["crash", "request"]
 
 TAIL_LINES = 20
 KILL_GRACE_S = 5.0  # after SIGKILL of the whole cgroup, how long until we call it stuck
@@ -97,13 +102,14 @@ class ManagedProcess:
         self.start_deadline: StartDeadline | None = None
         #: after ready: False while SGLang's /ready says 503 (paused, latched or draining)
         self.serving = True
-        self.state = State.STOPPED
+        self.state = ProcessState.STOPPED
         self.spawned: Spawned | None = None
         self.phase = ""
         self.phase_since = time.monotonic()
         self.ready_since: float | None = None
-        self.restart_times: list[float] = []
-        self.restarts_total = 0
+        #: its two restart ledgers, written only here: the policy's (crashes) and the operator's
+        self.crash_restarts = CrashRestarts()
+        self.requested_restarts = RequestedRestarts()
         self.last_exit = ""
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.history: collections.deque[Readiness] = collections.deque(maxlen=50)
@@ -138,9 +144,12 @@ class ManagedProcess:
 
     # ------------------------------------------------------------------ state
 
-    def _set_state(self, state: State, detail: str = "") -> None:
+    def _set_state(self, state: ProcessState, detail: str = "") -> None:
+        """The one place its state changes: checked against PROCESS_MOVES (engine/states.py)."""
         if state == self.state and not detail:
             return
+        check_move(PROCESS_MOVES, f"process {self.instance}/{self.name}", self.state, state,
+                   lambda why: self.sink.event(why, 3, GPUSUP_PROCESS=self.name, GPUSUP_EVENT="illegal-state-move"))
         self.state = state
         self.history.append(Readiness(time.time(), state.value, detail))
         self.emit(Event("process", self.instance, detail or state.value, process=self.name, state=state.value))
@@ -153,6 +162,15 @@ class ManagedProcess:
             self.phase_durations[self.phase] = self.phase_durations.get(self.phase, 0.0) + now - self.phase_since
         self.phase, self.phase_since = phase, now
         self.emit(Event("phase", self.instance, phase, process=self.name, state=self.state.value))
+
+    @property
+    def restarts_total(self) -> int:
+        """How many times it was started again, for whatever reason (status's `restarts`, the metric)."""
+        return self.crash_restarts.started + self.requested_restarts.started
+
+    def await_restart(self, verdict: Verdict) -> None:
+        """It died after ready and the policy restarts it: RESTARTING until its backoff ends."""
+        self._set_state(ProcessState.RESTARTING, f"{self.last_exit}; restart {verdict.attempt} in {verdict.delay_s:g} s")
 
     @property
     def pid(self) -> int | None:
@@ -181,8 +199,11 @@ class ManagedProcess:
 
     # ------------------------------------------------------------------ start
 
-    async def start(self) -> None:
-        """Spawn into a fresh group; returns as soon as the child runs (not when it is ready)."""
+    async def start(self, again: Again | None = None) -> None:
+        """Spawn into a fresh group; returns as soon as the child runs (not when it is ready).
+
+        `again` says why it is started once more (a restart): RESTARTING rather than STARTING,
+        counted in the ledger of that kind of restart."""
         self._exited = asyncio.Event()
         self._wake = asyncio.Event()
         self._stopping = False
@@ -192,7 +213,11 @@ class ManagedProcess:
         self.progress_text = self.last_error = ""
         self.markers_seen = set()
         self.signals_sent = {}
-        self._set_state(State.STARTING if not self.restart_times else State.RESTARTING)
+        if again == "crash":
+            self.crash_restarts.started += 1
+        elif again == "request":
+            self.requested_restarts.started += 1
+        self._set_state(ProcessState.STARTING if again is None else ProcessState.RESTARTING)
         self._set_phase(phases.LAUNCHED)
         await asyncio.to_thread(self._prepare_dirs)
         req = SpawnRequest(
@@ -298,7 +323,7 @@ class ManagedProcess:
                 GPUSUP_PROCESS=self.name,
                 GPUSUP_EVENT="exit",
             )
-            if self.state in (State.READY,) and self.on_unexpected_exit is not None:
+            if self.state in (ProcessState.READY,) and self.on_unexpected_exit is not None:
                 self.on_unexpected_exit(self)
 
     def _port_holders(self) -> str:
@@ -395,7 +420,7 @@ class ManagedProcess:
                 self._set_phase(phases.SERVING)
                 self.progress_text = ""
                 self._scan_files()
-                self._set_state(State.READY)
+                self._set_state(ProcessState.READY)
                 self._start_liveness()
                 self.sink.event(
                     f"{self.name}: ready ({spec.probe.path} answered 200 on {host}:{spec.port} after "
@@ -444,7 +469,7 @@ class ManagedProcess:
             return
         self.sink.event(f"{self.name}: liveness check failed ({task.exception()!r}); it goes on", 3,
                         GPUSUP_PROCESS=self.name, GPUSUP_EVENT="liveness-error")
-        if self.state == State.READY and not self._stopping and not self._exited.is_set():
+        if self.state == ProcessState.READY and not self._stopping and not self._exited.is_set():
             self._start_liveness()
 
     async def _watch_liveness(self) -> None:
@@ -475,7 +500,7 @@ class ManagedProcess:
         try:
             while True:
                 await asyncio.sleep(cfg.liveness_interval_s)
-                if self.state != State.READY or self._exited.is_set() or self.spawned is None:
+                if self.state != ProcessState.READY or self._exited.is_set() or self.spawned is None:
                     return
                 await asyncio.to_thread(self._scan_files)
                 if watch.asks_scheduler:
@@ -540,14 +565,14 @@ class ManagedProcess:
         is an orphan: it is killed at once rather than waited for.
         """
         if self.spawned is None:
-            self._set_state(State.STOPPED)
+            self._set_state(ProcessState.STOPPED)
             return 0.0
         timeout = self.spec.stop_timeout_s if timeout is None else timeout
         self._stopping = True
         if self._liveness is not None:
             self._liveness.cancel()
         began = time.monotonic()
-        self._set_state(State.STOPPING)
+        self._set_state(ProcessState.STOPPING)
         group = self.spawned.group
         if not self._exited.is_set():
             await asyncio.to_thread(self._scan_files)
@@ -597,7 +622,7 @@ class ManagedProcess:
         detect = time.monotonic() - self.exited_at if self.exited_at else 0.0
         self.ready_since = None
         self._set_phase("")
-        self._set_state(State.STOPPED)
+        self._set_state(ProcessState.STOPPED)
         self.sink.event(
             f"{self.name}: stopped in {took:.3f} s ({self.exit_report}"
             + (f"; killed {len(leftovers)} leftover process(es) in its group" if leftovers else "")
@@ -619,7 +644,7 @@ class ManagedProcess:
 
     def mark_failed(self, why: str) -> None:
         """The instance gave up on it; `last_exit` keeps saying how it ended."""
-        self._set_state(State.FAILED, why)
+        self._set_state(ProcessState.FAILED, why)
 
 
 class RanSince:
