@@ -38,7 +38,7 @@ class GroupsHold:
 
 def pytest_configure(config):  # type: ignore[no-untyped-def]
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    os.environ.setdefault("GPUSUP_STRICT_STATES", "1")  # an illegal state move raises (engine/states.py)
+    os.environ.setdefault("SUPERVISORD_GPU_STRICT_STATES", "1")  # an illegal state move raises (engine/states.py)
     config.pluginmanager.register(MatrixTables(), "fault-matrix-tables")
     config.pluginmanager.register(GroupsHold(), "xdist-groups-hold")
 

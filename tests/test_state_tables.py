@@ -4,7 +4,7 @@ The engine runs here for real (Instance and ManagedProcess, their start, stop, c
 operator restart), with only what lies below it faked: the ownership driver spawns a sleeping shell
 instead of a server, and the readiness probe answers 200. No server starts, nothing boots: the
 fast tier. Every state move the engine makes is checked against its table as it is made
-(GPUSUP_STRICT_STATES=1, set by conftest.py), so a move the code makes and the table forgot fails
+(SUPERVISORD_GPU_STRICT_STATES=1, set by conftest.py), so a move the code makes and the table forgot fails
 these tests, and the moves seen are collected to be compared with the table.
 """
 
@@ -88,7 +88,7 @@ def test_an_illegal_move_raises_under_the_tests_and_is_logged_and_made_in_produc
         proc._set_state(ProcessState.READY)
     assert proc.state == ProcessState.STOPPED
 
-    monkeypatch.setenv("GPUSUP_STRICT_STATES", "0")  # production: a bookkeeping bug must not kill the servers
+    monkeypatch.setenv("SUPERVISORD_GPU_STRICT_STATES", "0")  # production: a bookkeeping bug must not kill the servers
     instance._set_state(InstanceState.READY)
     assert instance.state == InstanceState.READY
     assert [(p, m) for m, p, _ in sink.events if "illegal" in m] == [(3, "illegal state move of instance p: stopped -> "

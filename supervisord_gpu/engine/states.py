@@ -4,7 +4,7 @@ An instance and each of its processes have their own words: an instance is DEGRA
 of its processes is RESTARTING. Each object changes its state in one method, which checks the
 move against its table here: a move the table does not hold is a bookkeeping bug of ours.
 
-Under the tests (GPUSUP_STRICT_STATES=1, set by tests/conftest.py) an illegal move raises
+Under the tests (SUPERVISORD_GPU_STRICT_STATES=1, set by tests/conftest.py) an illegal move raises
 IllegalTransition. In production it is logged at priority 3 and the move is made anyway: the
 state words are bookkeeping, and a supervisor that died of its own bookkeeping bug would take
 down servers that cost twenty minutes to load, which the bug itself never would.
@@ -110,7 +110,7 @@ class IllegalTransition(Exception):
 
 def strict() -> bool:
     """Whether an illegal move raises (the tests) rather than being logged (production)."""
-    return os.environ.get("GPUSUP_STRICT_STATES", "") == "1"
+    return os.environ.get("SUPERVISORD_GPU_STRICT_STATES", "") == "1"
 
 
 S = TypeVar("S", InstanceState, ProcessState)
