@@ -21,11 +21,13 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..checks.gpus import GpuInventory
-from ..checks.preconditions import Requirement, wait_until_clear
+from ..checks.preconditions import PreconditionReport, Requirement, wait_until_clear
 from ..config.model import DaemonConfig, Profile
 from ..errors import PreconditionError, SupervisorError, TakeoverFailed
 from . import takeover
 from .preflight import blocking_problems, check_profile
+from .registry import Registry
+from .units import Units
 
 #: (message, syslog priority, GPUSUP_EVENT=): "transition" or "rollback"
 Say = Callable[[str, int, str], None]
@@ -50,30 +52,49 @@ class Transition(Protocol):
 
 class LocalTransition:
     """One machine: our instances in the way are stopped (the profile allows it: takeover = true),
-    then GPUs and ports verified clear; a failed start starts them again (rollback = true)."""
+    then GPUs and ports verified clear; a failed start starts them again (rollback = true).
 
-    def __init__(self, profile: Profile, cfg: DaemonConfig, inventory: GpuInventory, say: Say) -> None:
+    Its collaborators come in from the assembly (daemon.py): systemd's units (None where the
+    daemon does not run under systemd: then only the registry's daemons are ours to stop) and
+    the registry of this machine's daemons. `gpusupctl switch --dry-run` asks `plan` of the same
+    object, so the dry run refuses and plans exactly as the daemon will."""
+
+    def __init__(self, profile: Profile, cfg: DaemonConfig, inventory: GpuInventory, say: Say,
+                 units: Units | None, registry: Registry) -> None:
         self.profile, self.cfg, self.inventory, self.say = profile, cfg, inventory, say
+        self.units, self.registry = units, registry
         #: filled as each is stopped, so that a failure later on (the wait for idle GPUs times
         #: out: something foreign grabbed a port mid-transition) still knows what to start again
         self.stopped: list[takeover.Conflict] = []
 
-    async def prepare(self, how: str, progress: Progress) -> None:
-        self.stopped = []
-        profile, cfg = self.profile, self.cfg
+    async def plan(self, how: str) -> takeover.Plan:
+        """What `prepare` would do now, touching nothing; raises the refusal it would raise (a
+        holder that is not ours, or ours in the way with takeover = false), exit 3."""
+        plan, _ = await self._decide(how)
+        return plan
+
+    async def _decide(self, how: str) -> tuple[takeover.Plan, PreconditionReport]:
+        profile = self.profile
         report = await check_profile(profile, self.inventory)
-        conflicts = await asyncio.to_thread(takeover.find_conflicts, profile, cfg)
+        conflicts = await asyncio.to_thread(takeover.find_conflicts, profile, self.cfg, self.units, self.registry)
         foreign = blocking_problems(report, conflicts)
         if foreign:
             raise PreconditionError("refusing to start: " + "; ".join(foreign))
         if conflicts and not profile.takeover:
             raise PreconditionError("refusing to start: " + "; ".join(f"{c.describe()} is running" for c in conflicts)
                                     + " (takeover = false in the profile)")
+        return takeover.make_plan(profile, self.cfg, conflicts, how), report
+
+    async def prepare(self, how: str, progress: Progress) -> None:
+        self.stopped = []
+        profile, cfg = self.profile, self.cfg
+        plan, report = await self._decide(how)
+        conflicts = plan.conflicts
         if conflicts:
-            self.say(takeover.make_plan(profile, cfg, conflicts, how).render(), 6, "transition")
+            self.say(plan.render(), 6, "transition")
             for c in conflicts:
                 progress(f"stopping dsv4@{c.instance}")
-                took = await takeover.stop_instance(c, cfg, c.stop_deadline_s)
+                took = await takeover.stop_instance(c, c.stop_deadline_s, self.units, self.registry)
                 self.stopped.append(c)
                 self.say(f"transition: dsv4@{c.instance} stopped in {took:.2f} s", 6, "transition")
         if conflicts or not report.ok:
@@ -94,7 +115,7 @@ class LocalTransition:
         rolled, failed = [], []
         for c in self.stopped:
             try:
-                await asyncio.to_thread(takeover.start_instance, c)
+                await asyncio.to_thread(takeover.start_instance, c, self.units)
                 rolled.append(f"dsv4@{c.instance}")
             except SupervisorError as e:
                 failed.append(f"dsv4@{c.instance} ({e})")
