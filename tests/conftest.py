@@ -52,6 +52,7 @@ FAST_MODULES = frozenset({
     "test_cluster_config", "test_cluster_plan", "test_cluster_records", "test_cluster_fuzz",
     "test_cluster_failures", "test_bus_errors", "test_version", "test_cluster_decisions", "test_layers",
     "test_capabilities", "test_install_quietly",
+    "test_local_decisions",
 })
 
 
