@@ -162,7 +162,7 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
             sink.event(message, priority, GPUSUP_EVENT=event)
 
         transition: Transition = (ClusterTransition(profile, cfg, inventory, instance.gate, say) if instance.gate is not None
-                                  else LocalTransition(profile, cfg, inventory, say, local_units(), records))  # decided once, here
+                                  else LocalTransition(profile, cfg, backends, say, local_units(), records))  # decided once, here
         controller = InstanceController(
             cfg, profile, instance, backends, say=say, transition=transition, lock=lock,
             on_transition=exporter.transition_observed if exporter else None,

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from supervisord_gpu.checks.gpus import inventory_for
+from supervisord_gpu.checks.gpus import NvmlUnavailable, inventory_for
 from supervisord_gpu.checks.simgpu import SimulatedGpus
 from supervisord_gpu.config.loader import load_daemon_config, load_profile
 from supervisord_gpu.config.model import DaemonConfig
@@ -77,8 +77,14 @@ class Machine:
     def profile(self, name: str = "beta"):  # type: ignore[no-untyped-def]
         return load_profile(self.cfg, name)
 
+    def backends(self) -> Backends:
+        """The real programs, these simulated GPUs, every option accepted, no model needed on disk."""
+        return Backends(Programs.of(self.cfg), lambda: self.inventory,
+                        lambda servers: [FlagCheck(name, True, "a test") for name, _ in servers],
+                        model_paths_must_exist=False)
+
     def transition(self, units: FakeUnits | None, name: str = "beta") -> LocalTransition:
-        return LocalTransition(self.profile(name), self.cfg, self.inventory, lambda m, _p, _e: self.said.append(m),
+        return LocalTransition(self.profile(name), self.cfg, self.backends(), lambda m, _p, _e: self.said.append(m),
                                units, NoRecords())
 
 
@@ -293,6 +299,31 @@ def test_the_dry_run_refuses_what_the_daemon_refuses(tmp_path: Path) -> None:
     assert units.calls == []
 
 
+def test_the_dry_run_plans_without_gpus_it_cannot_read_and_the_daemon_refuses(machine: Machine) -> None:
+    def no_nvml() -> Any:
+        raise NvmlUnavailable("cannot check GPUs: libnvidia-ml.so.1 (NVML) not found")
+
+    transition = machine.transition(FakeUnits("alpha"))
+    transition.backends = Backends(Programs.of(machine.cfg), no_nvml, lambda _s: [], model_paths_must_exist=True)
+    warned: list[str] = []
+    plan = asyncio.run(transition.plan("x", warn=warned.append))
+    assert [c.instance for c in plan.conflicts] == ["alpha"] and "libnvidia-ml.so.1" in warned[0]
+    with pytest.raises(NvmlUnavailable):
+        prepare(transition)
+    assert transition.units is not None and transition.units.calls == []  # type: ignore[attr-defined]
+
+
+def test_gpusupctl_switch_dry_run_refuses_a_foreign_holder_as_the_daemon_would(machine: Machine, capsys) -> None:  # type: ignore[no-untyped-def]
+    from supervisord_gpu.cli import gpusupctl
+
+    config_dir = str(machine.cfg.config_dir)
+    assert gpusupctl.main(["switch", "beta", "--dry-run", "--config-dir", config_dir]) == 0
+    assert capsys.readouterr().out.startswith("plan: switch to beta (nothing to stop)")
+    with listening(machine.ports["beta"]):
+        assert gpusupctl.main(["switch", "beta", "--dry-run", "--config-dir", config_dir]) == 3
+    assert f"refusing to start: port 127.0.0.1:{machine.ports['beta']}" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- the controller
 
 
@@ -373,10 +404,7 @@ class FakeTransition:
 
 def controller(machine: Machine, instance: FakeInstance, lock: FakeLock | None = None,
                transition: FakeTransition | None = None) -> InstanceController:
-    backends = Backends(Programs.of(machine.cfg), lambda: machine.inventory,
-                        lambda servers: [FlagCheck(name, True, "a test") for name, _ in servers],
-                        model_paths_must_exist=False)
-    return InstanceController(machine.cfg, machine.profile(), instance, backends,  # type: ignore[arg-type]
+    return InstanceController(machine.cfg, machine.profile(), instance, machine.backends(),  # type: ignore[arg-type]
                               lambda m, _p, _e: machine.said.append(m), transition or FakeTransition(),  # type: ignore[arg-type]
                               lock or FakeLock())  # type: ignore[arg-type]
 

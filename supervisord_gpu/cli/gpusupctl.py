@@ -463,8 +463,8 @@ def cmd_switch(args: argparse.Namespace) -> int:
         units: Systemd | None = Systemd()
     except BusError:
         units = None
-    transition = LocalTransition(profile, cfg, backends.inventory, lambda _m, _p, _e: None, units, Registry(cfg.runtime_dir))
-    plan = asyncio.run(transition.plan(how))
+    transition = LocalTransition(profile, cfg, backends, lambda _m, _p, _e: None, units, Registry(cfg.runtime_dir))
+    plan = asyncio.run(transition.plan(how, warn=(lambda m: print(m, file=sys.stderr)) if args.dry_run else None))
     if args.from_ and args.from_ not in {c.instance for c in plan.conflicts}:
         raise UsageError(f"dsv4@{args.from_} is not running or holds none of the GPUs and ports {args.to} needs")
     if args.dry_run:

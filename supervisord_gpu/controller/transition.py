@@ -20,11 +20,12 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..checks.gpus import GpuInventory
+from ..checks.gpus import GpuInventory, NvmlUnavailable
 from ..checks.preconditions import PreconditionReport, Requirement, wait_until_clear
 from ..config.model import DaemonConfig, Profile
 from ..errors import PreconditionError, SupervisorError, TakeoverFailed
 from . import takeover
+from .backends import Backends
 from .preflight import blocking_problems, check_profile
 from .registry import Registry
 from .units import Units
@@ -59,25 +60,35 @@ class LocalTransition:
     the registry of this machine's daemons. `gpusupctl switch --dry-run` asks `plan` of the same
     object, so the dry run refuses and plans exactly as the daemon will."""
 
-    def __init__(self, profile: Profile, cfg: DaemonConfig, inventory: GpuInventory, say: Say,
+    def __init__(self, profile: Profile, cfg: DaemonConfig, backends: Backends, say: Say,
                  units: Units | None, registry: Registry) -> None:
-        self.profile, self.cfg, self.inventory, self.say = profile, cfg, inventory, say
+        self.profile, self.cfg, self.backends, self.say = profile, cfg, backends, say
         self.units, self.registry = units, registry
         #: filled as each is stopped, so that a failure later on (the wait for idle GPUs times
         #: out: something foreign grabbed a port mid-transition) still knows what to start again
         self.stopped: list[takeover.Conflict] = []
 
-    async def plan(self, how: str) -> takeover.Plan:
+    async def plan(self, how: str, warn: Callable[[str], None] | None = None) -> takeover.Plan:
         """What `prepare` would do now, touching nothing; raises the refusal it would raise (a
-        holder that is not ours, or ours in the way with takeover = false), exit 3."""
-        plan, _ = await self._decide(how)
+        holder that is not ours, or ours in the way with takeover = false), exit 3.
+
+        With `warn` (a dry run), GPUs that cannot be read here (no NVML on this machine) are a
+        warning, and the plan is made without their holders: it is still worth seeing."""
+        plan, _ = await self._decide(how, warn)
         return plan
 
-    async def _decide(self, how: str) -> tuple[takeover.Plan, PreconditionReport]:
+    async def _decide(self, how: str, warn: Callable[[str], None] | None = None
+                      ) -> tuple[takeover.Plan, PreconditionReport | None]:
         profile = self.profile
-        report = await check_profile(profile, self.inventory)
+        report: PreconditionReport | None = None
+        try:
+            report = await check_profile(profile, self.backends.inventory)
+        except NvmlUnavailable as e:
+            if warn is None:
+                raise
+            warn(f"warning: {e} (the plan below does not check the GPUs' holders)")
         conflicts = await asyncio.to_thread(takeover.find_conflicts, profile, self.cfg, self.units, self.registry)
-        foreign = blocking_problems(report, conflicts)
+        foreign = blocking_problems(report, conflicts) if report is not None else []
         if foreign:
             raise PreconditionError("refusing to start: " + "; ".join(foreign))
         if conflicts and not profile.takeover:
@@ -97,11 +108,11 @@ class LocalTransition:
                 took = await takeover.stop_instance(c, c.stop_deadline_s, self.units, self.registry)
                 self.stopped.append(c)
                 self.say(f"transition: dsv4@{c.instance} stopped in {took:.2f} s", 6, "transition")
-        if conflicts or not report.ok:
+        if conflicts or report is None or not report.ok:
             progress("waiting for GPUs idle and ports free")
             loop = asyncio.get_running_loop()
             began = loop.time()
-            await wait_until_clear(Requirement.of(profile), self.inventory, cfg.gpus.wait_idle_timeout_s,
+            await wait_until_clear(Requirement.of(profile), self.backends.inventory, cfg.gpus.wait_idle_timeout_s,
                                    on_progress=lambda r: progress("still held: " + "; ".join(r.problems())[:200]))
             self.say(f"GPUs {sorted(profile.gpus)} verified idle and ports free in {loop.time() - began:.3f} s", 6,
                      "transition")
