@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..config.model import DaemonConfig, Profile
-from ..engine.instance import Instance, Preflight
+from ..engine.instance import Instance
 from ..engine.states import State
 from ..errors import EXIT_GAVE_UP, EXIT_OK, PreconditionError, StartError, SupervisorError, TakeoverFailed
 from ..checks.preconditions import Requirement
@@ -36,6 +36,8 @@ from .transition import Transition
 
 #: (message, syslog priority, GPUSUP_EVENT=) to the journal: "transition", "rollback", "job"
 Say = Callable[[str, int, str], None]
+#: what runs between the instance's prepare and its start: the lock, the validation, the Transition
+Preflight = Callable[[], Awaitable[None]]
 
 
 class InstanceController:

@@ -9,9 +9,11 @@ daemon.py from the profile, not branched on in the middle of the start:
     ClusterTransition   a profile that spans nodes: the cluster lock, the plan and the agents
                         through etcd (cluster/coordinator.py); on failure the agents roll back
 
-The controller calls `prepare` before the processes start and `roll_back` when the start
-failed; each returns what the controller reports. A switch (`gpusupctl switch`, or starting a
-profile while another runs) is `prepare`: the takeover, or the cluster transition.
+The controller calls `prepare` between the instance's own prepare and its start, and
+`roll_back` when the start failed; each returns what the controller reports. A switch
+(`gpusupctl switch`, or starting a profile while another runs) is `prepare`: the takeover, or
+the cluster transition. `LocalTransition.plan` is `prepare` deciding without doing: `gpusupctl
+switch --dry-run` asks it, so the dry run refuses and plans exactly as the daemon will.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from .. import records
 import os
 import time
 from ..records import dataclass, field
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Protocol
 
 from ..config.model import ProcessSpec, Profile
@@ -21,9 +21,6 @@ from .events import Event, Listener, LogSink
 from .process import START_STALL_S, ManagedProcess, ProcessStatus
 from .states import State
 from .traffic import RouterWorkers, wait_drained
-
-Preflight = Callable[[], Awaitable[None]]
-
 
 class Gate(Protocol):
     """Order against processes this daemon does not run (cluster/gate.py: the other nodes')."""
