@@ -1,5 +1,6 @@
 """The single machine's decisions, unit-tested over fakes: whether a start may take over the
-instances in its way (takeover = false refuses, nothing touched), what a holder that is not ours
+instances in its way (takeover = false refuses, nothing touched; without systemd, the registry's
+daemons, each signalled only while its record is still believed), what a holder that is not ours
 does (it blocks, named, before anything stops), what a failed start rolls back (exactly what was
 stopped, also when the wait for idle GPUs fails after some were), what a port taken while the
 servers loaded makes of a failed start (a refusal, exit 3, final), the busy job, the loser that
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
+import subprocess
 import textwrap
 import types
 from collections.abc import Awaitable, Callable
@@ -33,6 +36,7 @@ from supervisord_gpu.config.render import Programs
 from supervisord_gpu.controller.backends import Backends
 from supervisord_gpu.controller.controller import InstanceController
 from supervisord_gpu.controller.outcome import Outcome
+from supervisord_gpu.controller.registry import Record
 from supervisord_gpu.controller.transition import LocalTransition
 from supervisord_gpu.engine.states import State
 from supervisord_gpu.errors import EXIT_OK, PreconditionError, StartError, SupervisorError
@@ -184,6 +188,54 @@ def test_an_instance_systemd_has_stopped_already_is_not_in_the_way(machine: Mach
     units.active["alpha"] = "failed"
     prepare(machine.transition(units))
     assert units.calls == []
+
+
+class Records:
+    """The registry, naming the daemons the test says; `calls` counts the readings."""
+
+    def __init__(self, *records: Record) -> None:
+        self.records, self.calls = list(records), 0
+
+    def running(self) -> list[Record]:
+        self.calls += 1
+        return list(self.records)
+
+
+def a_daemon(instance: str, gpus: list[int]) -> tuple[subprocess.Popen[bytes], Record]:
+    child = subprocess.Popen(["sleep", "30"])
+    return child, Record(instance, child.pid, 0.0, f"/etc/{instance}.toml", gpus, [], "cgroupfs")
+
+
+def test_without_systemd_the_registrys_daemon_in_the_way_is_signalled_and_waited_for(machine: Machine) -> None:
+    child, record = a_daemon("alpha", [0])
+    try:
+        transition = machine.transition(None)
+        transition.registry = Records(record)  # type: ignore[assignment]
+        prepare(transition)
+        assert child.wait(2) == -signal.SIGTERM and [c.via for c in transition.stopped] == [f"pid {child.pid}"]
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_record_no_longer_believed_when_its_daemon_is_signalled_is_left_alone(machine: Machine) -> None:
+    child, record = a_daemon("alpha", [0])
+    records = Records(record)
+    real_running = records.running
+
+    def gone_on_second_look() -> list[Record]:
+        found = real_running()
+        return found if records.calls == 1 else []  # the PID was reused between the two readings
+
+    records.running = gone_on_second_look  # type: ignore[method-assign]
+    try:
+        transition = machine.transition(None)
+        transition.registry = records  # type: ignore[assignment]
+        prepare(transition)
+        assert child.poll() is None  # not signalled: not the daemon its record described any more
+    finally:
+        child.kill()
+        child.wait()
 
 
 # ----------------------------------------------------------------------------- foreign holders
