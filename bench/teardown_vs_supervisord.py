@@ -52,7 +52,7 @@ from supervisord_gpu.checks.ports import check_port
 from supervisord_gpu.checks.preconditions import wait_until_clear
 from supervisord_gpu.checks.simgpu import SimulatedGpus
 from supervisord_gpu.checks.preconditions import Requirement
-from supervisord_gpu.controller.preflight import inventory_for
+from supervisord_gpu.checks.gpus import inventory_for
 
 SIZES = [int(x) for x in os.environ.get("TEARDOWN_SIZES", "1,4,16").split(",")]
 RUNS = int(os.environ.get("TEARDOWN_RUNS", "3"))
@@ -169,7 +169,7 @@ SUPERVISORD_GPU_STANDIN_STARTUP_S = "{STARTUP_S}"{fault}
     instance, cfg = make_instance(cdir, "td", rec)
     if hasattr(instance.sink, "quiet_children"):
         instance.sink.quiet_children = True
-    inventory = inventory_for(cfg, True)
+    inventory = inventory_for(cfg, simulated=True)
     req = Requirement.of(instance.profile)
     sim = SimulatedGpus(tmp / "simgpu")
 

@@ -1,8 +1,10 @@
 """The daemon's assembly: config -> profile -> instance -> controller, then the controller's life.
 
 `supervisord-gpu run NAME` (under systemd) and `gpusupctl rehearse NAME` (in a terminal)
-both come here; rehearsal only swaps SGLang for stand-ins and NVML for simulated GPUs.
-Nothing here decides anything: the lifecycle (start, take over, roll back, restart, stop)
+both come here; rehearsal only swaps SGLang for stand-ins and NVML for simulated GPUs, and
+that is decided here once (`backends_for`: one Backends record, handed down). The collaborators
+are made here too, once: systemd's units client, the registry, the transition lock.
+Nothing here decides anything else: the lifecycle (start, take over, roll back, restart, stop)
 is controller/controller.py; this file wires it to signals, sd_notify, D-Bus and metrics.
 """
 
@@ -16,15 +18,17 @@ from typing import Any
 
 from .config.loader import effective_config, load_daemon_config, load_profile
 from .config.model import DaemonConfig, Profile
-from .config.render import render
-from .controller import registry
+from .config.render import Programs, render
+from .controller.backends import Backends
 from .controller.controller import InstanceController
-from .controller.preflight import inventory_for
+from .controller.lock import TransitionLock
+from .controller.registry import Registry
 from .controller.transition import ClusterTransition, LocalTransition, Transition
+from .controller.units import Units
 from .engine.events import Event
 from .engine.instance import Instance
 from .errors import SupervisorError
-from .ownership import choose_driver
+from .ownership import choose_driver, under_systemd_service
 from .systemd.journal import open_sink
 from .api.notify import Notifier, status_text
 
@@ -47,20 +51,56 @@ class RunOptions:
     own_unit: Any = None
 
 
-def build_instance(cfg: DaemonConfig, profile: Profile, opts: RunOptions):  # type: ignore[no-untyped-def]
+def programs_for(cfg: DaemonConfig) -> Programs:
+    """SGLang and its router from the config, or (rehearsal) the stand-ins and their environment."""
+    if cfg.rehearsal.enabled:
+        from .rehearsal.setup import stand_ins
+
+        return stand_ins(cfg)
+    return Programs.of(cfg)
+
+
+def backends_for(cfg: DaemonConfig) -> Backends:
+    """Real or rehearsal, decided here and nowhere below: what runs, the GPUs it is checked
+    against, how its options are checked, whether its model must be on disk."""
+    from functools import partial
+
+    from .checks.gpus import inventory_for
+    from .sglang.flags import check_server_flags
+
+    if cfg.rehearsal.enabled:
+        gpus = inventory_for(cfg, simulated=True)  # made now: the stand-ins hold their memory there
+        return Backends(programs_for(cfg), lambda: gpus, partial(check_server_flags, use_real=False),
+                        model_paths_must_exist=False, rehearsal=True)
+    return Backends(programs_for(cfg), lambda: inventory_for(cfg, simulated=False), check_server_flags,
+                    model_paths_must_exist=True)
+
+
+def local_units() -> Units | None:
+    """systemd's units where this daemon runs as a dsv4@ unit (a takeover stops and starts its
+    neighbours there); None elsewhere (a terminal, the device machine, a rehearsal): the registry's
+    daemons are then the only ones ours to stop."""
+    if not under_systemd_service():
+        return None
+    from .systemd.manager import Systemd
+
+    try:
+        return Systemd()
+    except SupervisorError:  # no system bus at all: no unit of ours can be seen, as before
+        return None
+
+
+def build_instance(cfg: DaemonConfig, profile: Profile, opts: RunOptions,  # type: ignore[no-untyped-def]
+                   backends: Backends | None = None):
     """Everything but starting: the driver, the log sink, the rendered launches, the instance."""
+    backends = backends if backends is not None else backends_for(cfg)
     sink = open_sink(profile.name, force_stderr=opts.force_stderr)
     if opts.quiet_children and hasattr(sink, "quiet_children"):
         sink.quiet_children = True
     for spec in profile.processes:
         sink.roles[spec.name] = spec.role
-    rehearsal_env = None
-    if cfg.rehearsal.enabled:
-        from .rehearsal.setup import prepare
-
-        _, rehearsal_env = prepare(cfg)
     driver = choose_driver(cfg.ownership, cfg.cgroup_root, profile.name, warn=lambda m: sink.event(m, 4))
-    launches = render(profile, cfg, rehearsal_env)
+    launches = render(profile, cfg, backends.programs)
     gate = None
     if profile.is_cluster:  # a node's part: its order against the other nodes goes through etcd
         from .cluster.gate import ClusterGate
@@ -79,7 +119,8 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
     loop = asyncio.get_running_loop()
     notifier = opts.notifier or Notifier(stall_s=cfg.start_stall_timeout_s)
     try:
-        instance, sink = build_instance(cfg, profile, opts)
+        backends = backends_for(cfg)
+        instance, sink = build_instance(cfg, profile, opts, backends)
     except SupervisorError as e:  # etcd out of reach for a node's part: nothing started, said in STATUS=
         notifier.status(f"failed: {str(e).splitlines()[0]}")
         notifier.barrier()
@@ -93,7 +134,7 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
             opts.own_unit, loop, lambda message, priority: sink.event(message, priority, GPUSUP_EVENT="restart-limit")).on_event)
     sink.event(
         f"instance {profile.name}: {len(profile.processes)} process(es), ownership driver {instance.owner.name}"
-        + (" (REHEARSAL: stand-in servers, simulated GPUs)" if cfg.rehearsal.enabled else ""),
+        + (" (REHEARSAL: stand-in servers, simulated GPUs)" if backends.rehearsal else ""),
         6,
         GPUSUP_EVENT="begin",
     )
@@ -101,9 +142,11 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
     exporter: Any = None
     bus: Any = None
     controller: InstanceController | None = None
+    records = Registry(cfg.runtime_dir)
+    lock = TransitionLock(cfg.runtime_dir, profile.name)
     try:
         try:
-            inventory = inventory_for(cfg, cfg.rehearsal.enabled)
+            inventory = backends.inventory
         except SupervisorError as e:  # NVML missing, simulated GPUs unreadable: say it in STATUS= too
             instance.fail(str(e))
             raise
@@ -119,9 +162,9 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
             sink.event(message, priority, GPUSUP_EVENT=event)
 
         transition: Transition = (ClusterTransition(profile, cfg, inventory, instance.gate, say) if instance.gate is not None
-                                  else LocalTransition(profile, cfg, inventory, say))  # decided once, here
+                                  else LocalTransition(profile, cfg, backends, say, local_units(), records))  # decided once, here
         controller = InstanceController(
-            cfg, profile, instance, inventory, say=say, transition=transition,
+            cfg, profile, instance, backends, say=say, transition=transition, lock=lock,
             on_transition=exporter.transition_observed if exporter else None,
             wrap_preflight=exporter.counting_preflight if exporter else None,
         )
@@ -130,7 +173,7 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
         if opts.stopped_early():
             controller.request_stop()
         bus = start_bus(cfg, profile, controller, opts, sink)
-        registry.register(cfg.runtime_dir, profile, instance.owner.name)
+        records.register(profile, instance.owner.name)
         on_ready = (lambda: opts.on_ready(instance)) if opts.on_ready else None  # type: ignore[misc]
         code = await controller.run(on_ready=on_ready, stop_after_ready=opts.stop_after_ready)
         if controller.stop_requested.is_set():
@@ -141,11 +184,11 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
         notifier.barrier()  # the last STATUS= must reach systemd before we exit
         if exporter is not None:
             exporter.stop()
+        lock.release()
         if controller is not None:
-            controller.lock.release()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
-        registry.unregister(cfg.runtime_dir, profile.name)
+        records.unregister(profile.name)
         if instance.gate is not None:
             instance.gate.close()
         keepalive.cancel()

@@ -139,7 +139,6 @@ def test_gpus_that_cannot_be_read_still_leave_the_ports_checked(tmp_path, capsys
 
     mp = pytest.MonkeyPatch()
     mp.setattr(gpus, "open_inventory", no_nvml)
-    mp.setattr("supervisord_gpu.controller.preflight.open_inventory", no_nvml)
     try:
         code, out, err = run(["check", "pd", "--config-dir", str(cdir)], capsys)
     finally:

@@ -18,6 +18,7 @@ from support import free_ports, pd_profile, wait_for
 from supervisord_gpu.cli import gpusupctl
 from supervisord_gpu.config.loader import load_daemon_config, load_profile
 from supervisord_gpu.controller.preflight import validate
+from supervisord_gpu.daemon import backends_for
 from supervisord_gpu.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,7 +45,7 @@ def test_check_refuses_exactly_what_the_daemon_refuses(tmp_path, capsys, option,
     said = capsys.readouterr().err.strip()
     cfg = load_daemon_config(str(tmp_path))
     with pytest.raises(ConfigError) as daemon_says:  # what the daemon runs before touching anything
-        validate(load_profile(cfg, "p"), cfg)
+        validate(load_profile(cfg, "p"), cfg, backends_for(cfg))
     assert said == f"gpusupctl: {daemon_says.value}" and expected in said, said
 
 

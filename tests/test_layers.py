@@ -29,6 +29,12 @@ FLOORS: dict[str, int] = {
     "cli": 10,
 }
 
+#: imports the floors would allow that must still never be: a rehearsal is decided once, where the
+#: daemon is assembled (daemon.py's Backends), and handed down; the lifecycle never asks again
+FORBIDDEN: dict[str, frozenset[str]] = {
+    "controller": frozenset({"rehearsal"}),
+}
+
 
 def part_of(module: str) -> str:
     """supervisord_gpu.engine.process -> engine; supervisord_gpu.daemon -> daemon."""
@@ -71,7 +77,10 @@ def violations(package: Path) -> list[str]:
             theirs = part_of(target)
             if theirs in (mine, "", "__init__") or theirs not in FLOORS:
                 continue
-            if FLOORS[theirs] >= FLOORS[mine]:
+            if theirs in FORBIDDEN.get(mine, ()):
+                wrong.append(f"{path.relative_to(package.parent)}:{line}: {mine} imports {target} (never: "
+                             "see FORBIDDEN)")
+            elif FLOORS[theirs] >= FLOORS[mine]:
                 wrong.append(f"{path.relative_to(package.parent)}:{line}: {mine} (floor {FLOORS[mine]}) "
                              f"imports {target} (floor {FLOORS[theirs]})")
     return wrong
@@ -86,15 +95,16 @@ def test_no_import_runs_back_up_or_across_a_floor():
     assert violations(PACKAGE) == []
 
 
-@pytest.mark.parametrize("line, why", [
-    ("from ..cli import gpusupctl", "engine (floor 5) imports supervisord_gpu.cli"),
-    ("    from ..api.service import BusService", "engine (floor 5) imports supervisord_gpu.api.service"),
-    ("from supervisord_gpu.rehearsal import setup", "engine (floor 5) imports supervisord_gpu.rehearsal"),
+@pytest.mark.parametrize("module, line, why", [
+    ("engine", "from ..cli import gpusupctl", "engine (floor 5) imports supervisord_gpu.cli"),
+    ("engine", "    from ..api.service import BusService", "engine (floor 5) imports supervisord_gpu.api.service"),
+    ("engine", "from supervisord_gpu.rehearsal import setup", "engine (floor 5) imports supervisord_gpu.rehearsal"),
+    ("controller", "    from ..rehearsal.setup import stand_ins", "controller imports supervisord_gpu.rehearsal.setup (never"),
 ])
-def test_the_check_sees_an_import_that_runs_back_up_or_across(tmp_path, line, why):
+def test_the_check_sees_an_import_that_runs_back_up_or_across(tmp_path, module, line, why):
     package = tmp_path / "supervisord_gpu"
-    (package / "engine").mkdir(parents=True)
-    (package / "engine" / "process.py").write_text("from ..records import dataclass\n"
-                                                   + ("def f():\n" if line.startswith(" ") else "") + line + "\n")
+    (package / module).mkdir(parents=True)
+    (package / module / "process.py").write_text("from ..records import dataclass\n"
+                                                 + ("def f():\n" if line.startswith(" ") else "") + line + "\n")
     found = violations(package)
     assert len(found) == 1 and why in found[0], found  # the import of records (floor 0) is fine

@@ -26,7 +26,7 @@ from supervisord_gpu.config.model import MetricsConfig
 from supervisord_gpu.config.render import render
 from supervisord_gpu.engine.instance import Instance
 from supervisord_gpu.metrics import MetricsExporter, MetricsUnavailable, reason_codes
-from supervisord_gpu.rehearsal.setup import prepare
+from supervisord_gpu.daemon import backends_for
 from support import CgroupSandbox, free_ports, make_instance, pd_profile, write_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -312,9 +312,8 @@ def idle_instance(tmp_path):  # type: ignore[no-untyped-def]
     cdir = write_config(tmp_path, {"pd": pd_profile(free_ports(5))}, tmp_path / "cgroup")
     cfg = load_daemon_config(cdir)
     profile = load_profile(cfg, "pd")
-    _, env = prepare(cfg)
     owner = types.SimpleNamespace(name="none")
-    return Instance(profile, render(profile, cfg, env), owner, RecordingSink())  # type: ignore[arg-type]
+    return Instance(profile, render(profile, cfg, backends_for(cfg).programs), owner, RecordingSink())  # type: ignore[arg-type]
 
 
 def local_exporter(instance: Instance, inventory: object = None) -> tuple[MetricsExporter, int]:

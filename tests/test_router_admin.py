@@ -33,6 +33,7 @@ from supervisord_gpu.config.loader import load_daemon_config, load_profile
 from supervisord_gpu.config.render import render
 from supervisord_gpu.sglang import router_key
 from supervisord_gpu.rehearsal import standin_router, standin_server
+from supervisord_gpu.rehearsal.setup import stand_ins
 from support import free_ports, make_instance, pd_profile, wait_for, with_env, write_config
 
 PY = sys.executable
@@ -213,7 +214,7 @@ def test_a_runtime_dir_others_may_write_is_refused(open_dir: Path) -> None:
 def test_render_keeps_the_key_off_argv_and_out_of_the_printed_env(tmp_path: Path, router: str) -> None:
     cdir = write_config(tmp_path, {"p": profile_text(free_ports(4))}, tmp_path / "cg", router=router)
     cfg = load_daemon_config(cdir)
-    launch = next(x for x in render(load_profile(cfg, "p"), cfg, {}) if x.spec.kind == "router")
+    launch = next(x for x in render(load_profile(cfg, "p"), cfg, stand_ins(cfg)) if x.spec.kind == "router")
     assert launch.router_key == router_key.key_path(cfg.runtime_dir, "p")
     assert not launch.router_key.exists()  # rendering (`gpusupctl render`) makes no key
     assert "-c" in launch.argv and router_key.ROUTER_SHIM in launch.argv
@@ -238,7 +239,7 @@ def test_a_key_in_the_router_options_is_refused(tmp_path: Path) -> None:
     cdir = write_config(tmp_path, {"p": text}, tmp_path / "cg")
     cfg = load_daemon_config(cdir)
     with pytest.raises(ConfigError, match="control-plane-api-keys"):
-        render(load_profile(cfg, "p"), cfg, {})
+        render(load_profile(cfg, "p"), cfg, stand_ins(cfg))
 
 
 # --------------------------------------------------------------------------- the stand-in's parser

@@ -22,6 +22,7 @@ from supervisord_gpu.checks.ports import ListenerOwnership
 from supervisord_gpu.config.loader import load_daemon_config, load_profile
 from supervisord_gpu.config.model import RestartPolicy
 from supervisord_gpu.config.render import render
+from supervisord_gpu.rehearsal.setup import stand_ins
 from supervisord_gpu.engine import process as process_module
 from supervisord_gpu.engine import states
 from supervisord_gpu.engine.events import Event
@@ -201,7 +202,7 @@ def idle_instance(sink: RecordingSink, tmp: Path, max_restarts: int = 5, backoff
     cdir = write_config(root, {"p": PROFILE.format(a=a, b=b, max_restarts=max_restarts, backoff=backoff)}, root / "cgroup")
     cfg = load_daemon_config(cdir)
     profile = load_profile(cfg, "p")
-    instance = Instance(profile, render(profile, cfg, {}), SleepDriver(), sink)  # type: ignore[arg-type]
+    instance = Instance(profile, render(profile, cfg, stand_ins(cfg)), SleepDriver(), sink)  # type: ignore[arg-type]
     return instance
 
 

@@ -16,11 +16,13 @@ touch a GPU must not pay its import (~30 ms).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from abc import ABC, abstractmethod
 from ..records import dataclass
 from typing import Any
 from collections.abc import Iterable
 
+from ..config.model import DaemonConfig
 from ..errors import EXIT_PRECONDITIONS, SupervisorError, UsageError
 from .simgpu import SimulatedGpus
 
@@ -343,3 +345,20 @@ def open_inventory(
     if backend == "nvml":
         return NvmlInventory(tolerance_mib=tolerance_mib, baseline_mib=baseline_mib)
     raise UsageError(f'unknown gpus backend {backend!r} (expected "auto", "nvml" or "simulated")')
+
+
+def simgpu_dir(cfg: DaemonConfig) -> Path:
+    """Where the simulated GPUs live: the config's `rehearsal.simgpu_dir`, else under the runtime directory."""
+    return Path(cfg.rehearsal.simgpu_dir) if cfg.rehearsal.simgpu_dir else cfg.runtime_dir / "simgpu"
+
+
+def inventory_for(cfg: DaemonConfig, simulated: bool) -> GpuInventory:
+    """The machine's GPUs as the config says to read them: NVML, or the simulated GPUs (created
+    on first use, with the rehearsal's count and memory) when `simulated` or `gpus.backend =
+    "simulated"`. Built once per process by the assembly (daemon.py's Backends) and handed down."""
+    if simulated or cfg.gpus.backend == "simulated":
+        directory = simgpu_dir(cfg)
+        if not SimulatedGpus(directory).exists():
+            SimulatedGpus.create(directory, cfg.rehearsal.gpu_count, cfg.rehearsal.gpu_memory_mib)
+        return open_inventory("simulated", simgpu_dir=str(directory), tolerance_mib=cfg.gpus.idle_tolerance_mib)
+    return open_inventory("nvml", tolerance_mib=cfg.gpus.idle_tolerance_mib, baseline_mib=dict(cfg.gpus.baseline_mib) or None)

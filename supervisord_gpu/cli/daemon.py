@@ -54,13 +54,13 @@ def run_agent(config_dir: str | None) -> int:
     from ..cluster.agent import NodeAgent, Units
     from ..cluster.store import ClusterStore
     from ..config.loader import load_daemon_config
-    from ..controller.preflight import inventory_for
+    from ..checks.gpus import inventory_for
     from ..systemd.journal import open_sink
     from ..api.notify import Notifier
 
     cfg = load_daemon_config(config_dir)
     sink = open_sink("agent")
-    agent = NodeAgent(cfg, ClusterStore(cfg.cluster), Units(), inventory_for(cfg, cfg.rehearsal.enabled),
+    agent = NodeAgent(cfg, ClusterStore(cfg.cluster), Units(), inventory_for(cfg, simulated=cfg.rehearsal.enabled),
                       lambda message, priority: sink.event(message, priority))
     set_on_signal(agent.stopping, signal.SIGTERM)
     notifier = Notifier()

@@ -106,20 +106,11 @@ def cmd_render(args: argparse.Namespace) -> int:
     from ..config.loader import load_daemon_config, load_profile
     from ..config.render import render
     from ..config.loader import effective_config
+    from ..daemon import programs_for
 
     cfg = effective_config(load_daemon_config(args.config_dir), args.rehearsal)
     profile = load_profile(cfg, args.name)
-    rehearsal_env = None
-    if cfg.rehearsal.enabled:
-        from ..rehearsal.setup import ENV_MIB, ENV_STARTUP, simgpu_dir
-        from ..checks.simgpu import ENV_DIR
-
-        rehearsal_env = {
-            ENV_DIR: str(simgpu_dir(cfg)),
-            ENV_STARTUP: str(cfg.rehearsal.server_startup_s),
-            ENV_MIB: str(cfg.rehearsal.server_mib_per_gpu),
-        }
-    launches = render(profile, cfg, rehearsal_env)
+    launches = render(profile, cfg, programs_for(cfg))  # what the daemon will run, real or stand-ins
     if args.json:
         out = [
             {"process": launch.spec.name, "role": launch.spec.role, "user": launch.user, "argv": list(launch.argv),
@@ -266,10 +257,10 @@ DEMO_ANSWER_MAX = 65536  # a generation of 8 tokens answers in well under 1 KiB
 
 
 def _verify_clear(cfg, profile) -> int:  # type: ignore[no-untyped-def]
+    from ..checks.gpus import inventory_for
     from ..checks.preconditions import Requirement, check
-    from ..controller.preflight import inventory_for
 
-    report = check(Requirement.of(profile), inventory_for(cfg, True))
+    report = check(Requirement.of(profile), inventory_for(cfg, simulated=True))
     if report.ok:
         print(f"verified after stop: GPUs {sorted(profile.gpus)} idle, ports {sorted({listen.port for listen in profile.listens()})} free")
         return 0
@@ -288,18 +279,20 @@ def cmd_check(args: argparse.Namespace) -> int:
     bad input; the GPU and port report to stdout. Exit: the most severe (_most_severe)."""
     from ..checks.preconditions import Requirement, missing_gpu_errors, survey
     from ..config.loader import effective_config, load_daemon_config, load_profile
-    from ..controller.preflight import inventory_for, validate
+    from ..controller.preflight import validate
+    from ..daemon import backends_for
     from ..errors import EXIT_OK, EXIT_PRECONDITIONS, EXIT_USAGE, SupervisorError
 
     cfg = effective_config(load_daemon_config(args.config_dir), args.rehearsal)
     profile = load_profile(cfg, args.name)
+    backends = backends_for(cfg)
     found: list[tuple[int, str]] = []  # (exit code, line) of each profile problem
     try:  # a missing model path comes as a warning: every one is named, and validation goes on
-        validate(profile, cfg, warn=lambda line: found.append((EXIT_USAGE, line.removeprefix("warning: "))))
+        validate(profile, cfg, backends, warn=lambda line: found.append((EXIT_USAGE, line.removeprefix("warning: "))))
     except SupervisorError as e:  # validation stopped before its last step, the model paths: those still count
         found.insert(0, (e.exit_code, str(e)))
-        found += [(EXIT_USAGE, line) for line in _missing_model_paths(profile, cfg)]
-    report = survey(Requirement.of(profile), lambda: inventory_for(cfg, cfg.rehearsal.enabled))
+        found += [(EXIT_USAGE, line) for line in _missing_model_paths(profile, backends)]
+    report = survey(Requirement.of(profile), lambda: backends.inventory)
     found += [(e.exit_code, str(e)) for e in missing_gpu_errors(profile, report)]
     held = report.problems(missing=False)
     code = _most_severe([c for c, _ in found] + ([EXIT_PRECONDITIONS] if held else []))
@@ -325,14 +318,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     return code
 
 
-def _missing_model_paths(profile, cfg) -> list[str]:  # type: ignore[no-untyped-def]
+def _missing_model_paths(profile, backends) -> list[str]:  # type: ignore[no-untyped-def]
     """Each server whose model path is not on this machine, as validate's last step says it
-    (a rehearsal's stand-ins need none)."""
+    (the Backends say whether they must exist: a rehearsal's stand-ins need none)."""
     import os
 
     from ..errors import ConfigError
 
-    if cfg.rehearsal.enabled:
+    if not backends.model_paths_must_exist:
         return []
     return [str(ConfigError(profile.path, f"servers.{spec.name}.model_path", f"{spec.model_path} does not exist"))
             for spec in profile.processes if spec.model_path and not os.path.exists(spec.model_path)]
@@ -354,10 +347,10 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     from ..checks.preconditions import render_gpu_table
     from ..config.loader import load_daemon_config
     from ..config.loader import effective_config
-    from ..controller.preflight import inventory_for
+    from ..checks.gpus import inventory_for
 
     cfg = effective_config(load_daemon_config(args.config_dir), args.rehearsal)
-    inventory = inventory_for(cfg, cfg.rehearsal.enabled)
+    inventory = inventory_for(cfg, simulated=cfg.rehearsal.enabled)
     states = inventory.snapshot()
     holders = {s.index: [describe_gpu_pid(p.pid, inventory.pids_local) for p in s.processes] for s in states}
     if args.json:
@@ -608,36 +601,39 @@ def _restart_process(name: str, process: str, wait: bool, timeout: float) -> int
 
 
 def cmd_switch(args: argparse.Namespace) -> int:
-    """The same transition `systemctl start dsv4@TO` performs; the daemon of TO does the work."""
+    """The same transition `systemctl start dsv4@TO` performs; the daemon of TO does the work.
+    The plan and the refusal come from the very object that daemon uses (LocalTransition.plan),
+    assembled the same way: what the dry run says is what the daemon will do."""
+    import asyncio
+
     from ..config.loader import load_daemon_config, load_profile
     from ..controller.preflight import validate
-    from ..controller.takeover import find_conflicts, make_plan
-    from ..errors import BusError, PreconditionError, UsageError
+    from ..controller.registry import Registry
+    from ..controller.transition import LocalTransition
+    from ..daemon import backends_for
+    from ..errors import BusError, UsageError
     from ..systemd.manager import Systemd
 
     cfg = load_daemon_config(args.config_dir)
     profile = load_profile(cfg, args.to)
+    backends = backends_for(cfg)
     # A profile that would fail stops here, before anything is touched; a dry run still shows
     # the plan on a machine without the model (a missing path is then a warning).
-    how = validate(profile, cfg, warn=(lambda m: print(m, file=sys.stderr)) if args.dry_run else None)
+    how = validate(profile, cfg, backends, warn=(lambda m: print(m, file=sys.stderr)) if args.dry_run else None)
     if profile.is_cluster:
         return _switch_cluster(args)
     try:
-        Systemd()
-        systemd = True
+        units: Systemd | None = Systemd()
     except BusError:
-        systemd = False
-    conflicts = find_conflicts(profile, cfg, use_systemd=systemd)
-    if args.from_ and args.from_ not in {c.instance for c in conflicts}:
+        units = None
+    transition = LocalTransition(profile, cfg, backends, lambda _m, _p, _e: None, units, Registry(cfg.runtime_dir))
+    plan = asyncio.run(transition.plan(how, warn=(lambda m: print(m, file=sys.stderr)) if args.dry_run else None))
+    if args.from_ and args.from_ not in {c.instance for c in plan.conflicts}:
         raise UsageError(f"dsv4@{args.from_} is not running or holds none of the GPUs and ports {args.to} needs")
-    if not profile.takeover and conflicts:
-        raise PreconditionError("takeover = false in the profile and "
-                                + "; ".join(f"{c.describe()} is running" for c in conflicts))
-    plan = make_plan(profile, cfg, conflicts, how)
     if args.dry_run:
         print(plan.render())
         return 0
-    if not systemd:
+    if units is None:
         raise BusError("switch needs systemd over D-Bus; without systemd, run `supervisord-gpu run "
                        f"{args.to}`: it takes over instances registered in {cfg.runtime_dir}")
     print(plan.render())

@@ -72,10 +72,10 @@ def collect(config_dir: str | None, only: str | None = None) -> dict[str, Any]:
     gpus = None
     try:
         from ..checks.holders import describe_gpu_pid
-        from ..controller.preflight import inventory_for
+        from ..checks.gpus import inventory_for
 
         if cfg is not None:
-            inv = inventory_for(cfg, cfg.rehearsal.enabled)
+            inv = inventory_for(cfg, simulated=cfg.rehearsal.enabled)
             gpus = []
             for s in inv.snapshot():
                 holders = [describe_gpu_pid(p.pid, inv.pids_local) for p in s.processes]

@@ -7,10 +7,8 @@ quotes or a newline reaches SGLang as one literal argument. Full flag names only
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pwd
-import sys
 from ..records import dataclass
 from pathlib import Path
 from collections.abc import Mapping
@@ -20,15 +18,27 @@ from ..errors import ConfigError
 from ..sglang.caches import cache_environment
 from .model import DaemonConfig, OptionValue, ProcessSpec, Profile
 
-STANDIN_SERVER = ("-m", "supervisord_gpu.rehearsal.standin_server")
-STANDIN_ROUTER = ("-m", "supervisord_gpu.rehearsal.standin_router")
-REAL_ROUTER = ("-m", "sglang_router.launch_router")
-
 # What a child takes from the daemon's environment; everything else it gets is set here, by
 # name: its user's HOME/USER/LOGNAME, TMPDIR, the compile-cache variables, CUDA_VISIBLE_DEVICES
 # and CUDA_DEVICE_ORDER, then the profile's env. Never root's HOME, nor what would talk to our
 # unit (NOTIFY_SOCKET, WATCHDOG_*, LISTEN_*, INVOCATION_ID).
 PASSED_ENV = ("PATH", "LD_LIBRARY_PATH", "LANG", "LANGUAGE", "TZ")
+
+
+@dataclass(frozen=True)
+class Programs:
+    """What a server and a router run as, and what every child's environment gains on top of its
+    own: SGLang and its router from the config, or the rehearsal's stand-ins (rehearsal/setup.py).
+    Chosen once, where the daemon is assembled (daemon.py's Backends); render only applies it."""
+
+    server: tuple[str, ...]
+    router: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, cfg: DaemonConfig) -> Programs:
+        """The real programs: `sglang_command` and `router_command` of the config."""
+        return cls(tuple(cfg.sglang_command), tuple(cfg.router_command))
 
 
 @dataclass(frozen=True)
@@ -137,14 +147,6 @@ def keyed_router(program: tuple[str, ...]) -> tuple[str, ...]:
     return wrapped
 
 
-def router_program(cfg: DaemonConfig) -> tuple[str, ...]:
-    """In rehearsal: the real sglang-router when installed (it runs on CPU), else the stand-in."""
-    choice = cfg.rehearsal.router
-    if choice == "real" or (choice == "auto" and importlib.util.find_spec("sglang_router") is not None):
-        return (sys.executable, *REAL_ROUTER)
-    return (sys.executable, *STANDIN_ROUTER)
-
-
 def user_environment(profile: Profile, spec: ProcessSpec) -> tuple[str, list[tuple[str, str]]]:
     """(account name, HOME/USER/LOGNAME) of the user a process runs as; an unknown user is a config error."""
     try:
@@ -154,8 +156,9 @@ def user_environment(profile: Profile, spec: ProcessSpec) -> tuple[str, list[tup
     return pw.pw_name, [("HOME", pw.pw_dir), ("USER", pw.pw_name), ("LOGNAME", pw.pw_name)]
 
 
-def render(profile: Profile, cfg: DaemonConfig, rehearsal_env: Mapping[str, str] | None = None) -> list[Launch]:
-    """Every process of `profile` in start order; `rehearsal_env` set means: stand-ins."""
+def render(profile: Profile, cfg: DaemonConfig, programs: Programs | None = None) -> list[Launch]:
+    """Every process of `profile` in start order, run as `programs` (the config's own if not given)."""
+    programs = programs if programs is not None else Programs.of(cfg)
     launches = []
     for spec in profile.processes:
         account, env = user_environment(profile, spec)
@@ -164,8 +167,8 @@ def render(profile: Profile, cfg: DaemonConfig, rehearsal_env: Mapping[str, str]
         cache_root = cfg.cache_dir / account if spec.kind == "server" else None
         if cache_root is not None:
             env += cache_environment(cache_root, dict(env).get("HOME"))
-        # Rehearsal defaults next, so a profile's own env (a fault to inject, a start-up time) wins.
-        env += list(rehearsal_env.items()) if rehearsal_env is not None else []
+        # The programs' defaults next (a rehearsal's), so a profile's own env (a fault to inject, a start-up time) wins.
+        env += programs.env
         env += spec.env
         key: Path | None = None
         try:
@@ -173,11 +176,9 @@ def render(profile: Profile, cfg: DaemonConfig, rehearsal_env: Mapping[str, str]
                 # GPU indices in a profile are NVML's (nvidia-smi's), which follow the PCI bus; CUDA's
                 # default order is "fastest first", so without PCI_BUS_ID index 0 may be another card.
                 env[:0] = [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", ",".join(str(g) for g in spec.gpus))]
-                program = (sys.executable, *STANDIN_SERVER) if rehearsal_env is not None else cfg.sglang_command
-                argv = (*program, *server_args(spec))
+                argv = (*programs.server, *server_args(spec))
             else:
-                program = router_program(cfg) if rehearsal_env is not None else cfg.router_command
-                argv = (*keyed_router(program), *router_args(spec, profile))
+                argv = (*keyed_router(programs.router), *router_args(spec, profile))
                 key = router_key.key_path(cfg.runtime_dir, profile.name)
         except ConfigError as e:
             raise ConfigError(profile.path, e.key, e.problem) from None

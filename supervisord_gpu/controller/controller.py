@@ -1,9 +1,10 @@
 """The controller: one object per instance that implements every verb, on one path.
 
-    start            take the transition lock -> validate (preflight.py) -> make room: the
-                     Transition chosen at assembly (transition.py: a takeover on this machine, or
-                     the cluster's transition) -> start every process in order (engine) -> on
-                     failure, the Transition rolls back what it stopped
+    start            prepare the instance (engine: leftovers reclaimed, cgroup guarded) -> take
+                     the transition lock -> validate (preflight.py, against the Backends chosen at
+                     assembly) -> make room: the Transition chosen at assembly (transition.py: a
+                     takeover on this machine, or the cluster's transition) -> start every process
+                     in order (engine) -> on failure, the Transition rolls back what it stopped
     stop             every process in stop order
     restart          stop, then the very same start path (validation, lock, takeover, rollback)
     restart_process  one process alone, taken out of its router first (engine)
@@ -22,12 +23,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..checks.gpus import GpuInventory
 from ..config.model import DaemonConfig, Profile
-from ..engine.instance import Instance, Preflight
+from ..engine.instance import Instance
 from ..engine.states import State
 from ..errors import EXIT_GAVE_UP, EXIT_OK, Busy, PreconditionError, StartError, SupervisorError, TakeoverFailed
 from ..checks.preconditions import Requirement
+from .backends import Backends
 from .lock import TransitionLock
 from .outcome import Job, Outcome
 from .preflight import validate
@@ -35,23 +36,27 @@ from .transition import Transition
 
 #: (message, syslog priority, GPUSUP_EVENT=) to the journal: "transition", "rollback", "job"
 Say = Callable[[str, int, str], None]
+#: what runs between the instance's prepare and its start: the lock, the validation, the Transition
+Preflight = Callable[[], Awaitable[None]]
 
 
 class InstanceController:
     """Owns one instance's lifecycle; see the module docstring for the verbs."""
 
-    def __init__(self, cfg: DaemonConfig, profile: Profile, instance: Instance, inventory: GpuInventory,
-                 say: Say, transition: Transition, on_transition: Callable[[float, str, str, str], None] | None = None,
+    def __init__(self, cfg: DaemonConfig, profile: Profile, instance: Instance, backends: Backends,
+                 say: Say, transition: Transition, lock: TransitionLock,
+                 on_transition: Callable[[float, str, str, str], None] | None = None,
                  wrap_preflight: Callable[[Preflight], Preflight] | None = None) -> None:
         self.cfg = cfg
         self.profile = profile
         self.instance = instance
-        self.inventory = inventory
+        self.backends = backends
         self.say = say
         self.transition = transition
         self.on_transition = on_transition or (lambda _s, _f, _t, _o: None)
         self.wrap_preflight = wrap_preflight or (lambda preflight: preflight)  # metrics count refusals
-        self.lock = TransitionLock(cfg.runtime_dir, profile.name)
+        #: the machine's one transition at a time; the assembly owns it (and releases it at the end)
+        self.lock = lock
         self.stop_requested = asyncio.Event()
         self.jobs: dict[int, Job] = {}
         self._stop_job: Job | None = None  # D-Bus Stop's job: one per life, done once stopped
@@ -67,15 +72,10 @@ class InstanceController:
 
     async def _start(self) -> Outcome:
         began = time.monotonic()
-
-        async def preflight() -> None:
-            await self._acquire_lock()
-            how = await asyncio.to_thread(validate, self.profile, self.cfg)
-            await self.transition.prepare(how, self.instance.set_transition)
-            self.instance.set_transition("")
-
         try:
-            await self.instance.start(preflight=self.wrap_preflight(preflight))
+            await self.instance.prepare()
+            await self._make_room()
+            await self.instance.start()
         except SupervisorError as e:
             outcome = await self._after_failed_start(e)
             took_over = self.transition.took_over()
@@ -87,6 +87,25 @@ class InstanceController:
         if self.transition.took_over():
             self.on_transition(time.monotonic() - began, self.transition.came_from(), self.profile.name, "ok")
         return Outcome.done(f"ready in {time.monotonic() - began:.1f} s")
+
+    async def _make_room(self) -> None:
+        """Between the instance's prepare and its start: the lock, the validation, the Transition.
+        Refused, the instance says so (FAILED); told to stop meanwhile, it is STOPPED."""
+
+        async def checked() -> None:
+            await self._acquire_lock()
+            how = await asyncio.to_thread(validate, self.profile, self.cfg, self.backends)
+            await self.transition.prepare(how, self.instance.set_transition)
+            self.instance.set_transition("")
+
+        try:
+            await self.wrap_preflight(checked)()
+        except SupervisorError as e:
+            self.instance.refuse(e)
+            raise
+        except asyncio.CancelledError:
+            self.instance.stopped_while_starting()
+            raise
 
     async def _acquire_lock(self) -> None:
         holder = self.lock.holder()

@@ -11,21 +11,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from ..checks.gpus import GpuInventory, open_inventory
+from ..checks.gpus import GpuInventory
 from ..checks.preconditions import PreconditionReport, Requirement, check
 from ..config.model import DaemonConfig, Profile
 from ..errors import ConfigError
-
-
-def inventory_for(cfg: DaemonConfig, rehearsal: bool) -> GpuInventory:
-    if rehearsal or cfg.gpus.backend == "simulated":
-        from ..rehearsal.setup import prepare
-
-        sim, _ = prepare(cfg)
-        return open_inventory("simulated", simgpu_dir=str(sim.directory), tolerance_mib=cfg.gpus.idle_tolerance_mib)
-    return open_inventory(
-        "nvml", tolerance_mib=cfg.gpus.idle_tolerance_mib, baseline_mib=dict(cfg.gpus.baseline_mib) or None
-    )
+from .backends import Backends
 
 
 def raise_for_missing(profile: Profile, report: PreconditionReport) -> None:
@@ -40,28 +30,28 @@ def raise_for_missing(profile: Profile, report: PreconditionReport) -> None:
                 )
 
 
-def validate(profile: Profile, cfg: DaemonConfig, warn: Callable[[str], None] | None = None) -> str:
+def validate(profile: Profile, cfg: DaemonConfig, backends: Backends, warn: Callable[[str], None] | None = None) -> str:
     """Everything about a profile that can be known before anything runs, exactly as the daemon
     checks it before a start (so `gpusupctl check` and `switch --dry-run` say what it will say):
     its rendered command lines and users, every SGLang option against the SGLang that will run,
-    the model paths. Returns how the options were checked.
+    the model paths (`backends` says against what: SGLang or its table, paths or not). Returns how
+    the options were checked.
 
     With `warn` (a dry run), a model path that does not exist here is a warning, not an error:
     the plan is still worth seeing on a machine without the model.
     """
     from ..config.render import render, server_args
-    from ..sglang.flags import check_server_flags
 
-    render(profile, cfg)  # users exist; each flag the profile manages appears once
+    render(profile, cfg, backends.programs)  # users exist; each flag the profile manages appears once
     if profile.is_cluster and not cfg.cluster.etcd:
         raise ConfigError(cfg.path or cfg.config_dir, "cluster.etcd", f"is required: profile {profile.name} spans nodes "
                           "(it has [nodes]), and only etcd can order its steps across them")
     servers = [(spec.name, server_args(spec)) for spec in profile.processes if spec.kind == "server"]
-    checks = check_server_flags(servers, use_real=False if cfg.rehearsal.enabled else None)
+    checks = backends.check_flags(servers)
     for c in checks:
         if not c.ok:
             raise ConfigError(profile.path, f"servers.{c.process}.options", f"rejected by {c.how}: {c.error}")
-    if not cfg.rehearsal.enabled:
+    if backends.model_paths_must_exist:
         for spec in profile.processes:
             if spec.model_path and not os.path.exists(spec.model_path):
                 error = ConfigError(profile.path, f"servers.{spec.name}.model_path", f"{spec.model_path} does not exist")

@@ -102,3 +102,20 @@ def running(runtime: Path) -> list[Record]:
         if rec.instance == path.stem and rec.alive():
             out.append(rec)
     return out
+
+
+class Registry:
+    """The records under one runtime directory: what a takeover reads and signals where there is
+    no systemd. Made once by the daemon and handed down (the fast tests hand a fake)."""
+
+    def __init__(self, runtime: Path) -> None:
+        self.runtime = runtime
+
+    def running(self) -> list[Record]:
+        return running(self.runtime)
+
+    def register(self, profile: Profile, driver: str) -> Path:
+        return register(self.runtime, profile, driver)
+
+    def unregister(self, instance: str) -> None:
+        unregister(self.runtime, instance)

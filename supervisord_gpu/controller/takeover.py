@@ -19,9 +19,9 @@ from ..records import dataclass, field
 from ..config.loader import load_profile
 from ..config.model import DaemonConfig, Profile
 from ..errors import ConfigError, PreconditionError, SupervisorError
-from ..ownership import under_systemd_service
 from ..names import service_name
-from . import registry
+from .registry import Registry
+from .units import Units
 
 
 @dataclass
@@ -66,22 +66,22 @@ class Plan:
 # ----------------------------------------------------------------------------- who is in the way
 
 
-def _active_units() -> dict[str, str]:
-    """Active dsv4@ instances according to systemd, or {} without it."""
+def _active_units(units: Units | None) -> dict[str, str]:
+    """Active dsv4@ instances according to systemd, or {} without it (or with the bus away)."""
+    if units is None:
+        return {}
     try:
-        from ..systemd.manager import Systemd
-
-        return {u.instance: u.active for u in Systemd().instances() if u.active in ("active", "activating", "reloading")}
+        return {u.instance: u.active for u in units.instances() if u.active in ("active", "activating", "reloading")}
     except SupervisorError:
         return {}
 
 
-def find_conflicts(profile: Profile, cfg: DaemonConfig, use_systemd: bool | None = None) -> list[Conflict]:
-    use_systemd = under_systemd_service() if use_systemd is None else use_systemd
-    candidates: dict[str, str] = {}
-    if use_systemd:
-        candidates.update({name: "systemd" for name in _active_units()})
-    for rec in registry.running(cfg.runtime_dir):
+def find_conflicts(profile: Profile, cfg: DaemonConfig, units: Units | None, registry: Registry) -> list[Conflict]:
+    """Our instances that hold a GPU or a port `profile` needs: systemd's active dsv4@ units (when
+    `units` is given: the daemon runs under systemd), then the registry's live daemons."""
+    candidates: dict[str, str] = {name: "systemd" for name in _active_units(units)}
+    records = registry.running()
+    for rec in records:
         candidates.setdefault(rec.instance, f"pid {rec.pid}")
     wanted_gpus = set(profile.gpus)
     wanted_ports = {listen.port for listen in profile.listens()}
@@ -94,7 +94,7 @@ def find_conflicts(profile: Profile, cfg: DaemonConfig, use_systemd: bool | None
             gpus, ports = set(other.gpus), {listen.port for listen in other.listens()}
             deadline = sum(p.stop_timeout_s for p in other.processes) + 10
         except ConfigError:
-            found = next((r for r in registry.running(cfg.runtime_dir) if r.instance == name), None)
+            found = next((r for r in records if r.instance == name), None)
             if found is None:
                 continue
             gpus, ports, deadline = set(found.gpus), set(found.ports), 600.0
@@ -135,17 +135,20 @@ def make_plan(profile: Profile, cfg: DaemonConfig, conflicts: list[Conflict], fl
 # ----------------------------------------------------------------------------- doing it
 
 
-async def stop_instance(conflict: Conflict, cfg: DaemonConfig, timeout: float) -> float:
+async def stop_instance(conflict: Conflict, timeout: float, units: Units | None, registry: Registry) -> float:
     """Stop one instance and wait until it is gone; returns seconds taken."""
     began = time.monotonic()
     if conflict.via == "systemd":
-        await asyncio.to_thread(_systemd_stop_and_wait, conflict.instance, timeout)
+        if units is None:
+            raise PreconditionError(f"refusing to start: dsv4@{conflict.instance} runs under systemd, and this daemon "
+                                    "has no connection to it")
+        await asyncio.to_thread(_systemd_stop_and_wait, units, conflict.instance, timeout)
     else:
-        await _signal_recorded_daemon(conflict, cfg, timeout)
+        await _signal_recorded_daemon(conflict, registry, timeout)
     return time.monotonic() - began
 
 
-async def _signal_recorded_daemon(conflict: Conflict, cfg: DaemonConfig, timeout: float) -> None:
+async def _signal_recorded_daemon(conflict: Conflict, registry: Registry, timeout: float) -> None:
     """SIGTERM the daemon a registry record names (it stops its own processes in order).
 
     The PID is pinned with a pidfd first and the record checked again through it, so the
@@ -157,7 +160,7 @@ async def _signal_recorded_daemon(conflict: Conflict, cfg: DaemonConfig, timeout
     except ProcessLookupError:
         return
     try:
-        rec = next((r for r in registry.running(cfg.runtime_dir) if r.instance == conflict.instance and r.pid == pid), None)
+        rec = next((r for r in registry.running() if r.instance == conflict.instance and r.pid == pid), None)
         if rec is None:
             return  # gone, or no longer the daemon its record describes: nothing of ours to stop
         signal.pidfd_send_signal(fd, signal.SIGTERM)
@@ -166,11 +169,9 @@ async def _signal_recorded_daemon(conflict: Conflict, cfg: DaemonConfig, timeout
     await _wait_pid_exit(pid, timeout)
 
 
-def _systemd_stop_and_wait(instance: str, timeout: float) -> None:
+def _systemd_stop_and_wait(units: Units, instance: str, timeout: float) -> None:
     """StopUnit, then systemd's own JobRemoved for that job: the unit is inactive when it comes."""
-    from ..systemd.manager import Systemd
-
-    job = Systemd().stop(service_name(instance), timeout=timeout)
+    job = units.stop(service_name(instance), timeout=timeout)
     if job.result == "timeout-waiting":
         raise PreconditionError(f"refusing to start: dsv4@{instance} did not stop within {timeout:g} s")
     if not job.done:
@@ -194,11 +195,9 @@ async def _wait_pid_exit(pid: int, timeout: float) -> None:
         os.close(fd)
 
 
-def start_instance(conflict: Conflict) -> None:
+def start_instance(conflict: Conflict, units: Units | None) -> None:
     """Rollback: bring an instance we stopped back (only possible through systemd). Queued, not
     waited for: its start takes the transition lock we hold, so it runs once we have let go."""
-    if conflict.via != "systemd":
+    if conflict.via != "systemd" or units is None:
         raise SupervisorError(f"cannot restart dsv4@{conflict.instance}: it was not run by systemd")
-    from ..systemd.manager import Systemd
-
-    Systemd().queue("StartUnit", service_name(conflict.instance))
+    units.queue("StartUnit", service_name(conflict.instance))

@@ -9,9 +9,11 @@ daemon.py from the profile, not branched on in the middle of the start:
     ClusterTransition   a profile that spans nodes: the cluster lock, the plan and the agents
                         through etcd (cluster/coordinator.py); on failure the agents roll back
 
-The controller calls `prepare` before the processes start and `roll_back` when the start
-failed; each returns what the controller reports. A switch (`gpusupctl switch`, or starting a
-profile while another runs) is `prepare`: the takeover, or the cluster transition.
+The controller calls `prepare` between the instance's own prepare and its start, and
+`roll_back` when the start failed; each returns what the controller reports. A switch
+(`gpusupctl switch`, or starting a profile while another runs) is `prepare`: the takeover, or
+the cluster transition. `LocalTransition.plan` is `prepare` deciding without doing: `gpusupctl
+switch --dry-run` asks it, so the dry run refuses and plans exactly as the daemon will.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from ..checks.gpus import GpuInventory
-from ..checks.preconditions import Requirement, wait_until_clear
+from ..checks.gpus import GpuInventory, NvmlUnavailable
+from ..checks.preconditions import PreconditionReport, Requirement, wait_until_clear
 from ..config.model import DaemonConfig, Profile
 from ..errors import PreconditionError, SupervisorError, TakeoverFailed
 from . import takeover
+from .backends import Backends
 from .preflight import blocking_problems, check_profile
+from .registry import Registry
+from .units import Units
 
 if TYPE_CHECKING:  # the cluster's modules are loaded only for a profile that spans nodes
     from ..cluster.coordinator import LedTransition
@@ -54,37 +59,66 @@ class Transition(Protocol):
 
 class LocalTransition:
     """One machine: our instances in the way are stopped (the profile allows it: takeover = true),
-    then GPUs and ports verified clear; a failed start starts them again (rollback = true)."""
+    then GPUs and ports verified clear; a failed start starts them again (rollback = true).
 
-    def __init__(self, profile: Profile, cfg: DaemonConfig, inventory: GpuInventory, say: Say) -> None:
-        self.profile, self.cfg, self.inventory, self.say = profile, cfg, inventory, say
+    Its collaborators come in from the assembly (daemon.py): systemd's units (None where the
+    daemon does not run under systemd: then only the registry's daemons are ours to stop) and
+    the registry of this machine's daemons. `gpusupctl switch --dry-run` asks `plan` of the same
+    object, so the dry run refuses and plans exactly as the daemon will."""
+
+    def __init__(self, profile: Profile, cfg: DaemonConfig, backends: Backends, say: Say,
+                 units: Units | None, registry: Registry) -> None:
+        self.profile, self.cfg, self.backends, self.say = profile, cfg, backends, say
+        self.units, self.registry = units, registry
         #: filled as each is stopped, so that a failure later on (the wait for idle GPUs times
         #: out: something foreign grabbed a port mid-transition) still knows what to start again
         self.stopped: list[takeover.Conflict] = []
 
-    async def prepare(self, how: str, progress: Progress) -> None:
-        self.stopped = []
-        profile, cfg = self.profile, self.cfg
-        report = await check_profile(profile, self.inventory)
-        conflicts = await asyncio.to_thread(takeover.find_conflicts, profile, cfg)
-        foreign = blocking_problems(report, conflicts)
+    async def plan(self, how: str, warn: Callable[[str], None] | None = None) -> takeover.Plan:
+        """What `prepare` would do now, touching nothing; raises the refusal it would raise (a
+        holder that is not ours, or ours in the way with takeover = false), exit 3.
+
+        With `warn` (a dry run), GPUs that cannot be read here (no NVML on this machine) are a
+        warning, and the plan is made without their holders: it is still worth seeing."""
+        plan, _ = await self._decide(how, warn)
+        return plan
+
+    async def _decide(self, how: str, warn: Callable[[str], None] | None = None
+                      ) -> tuple[takeover.Plan, PreconditionReport | None]:
+        profile = self.profile
+        report: PreconditionReport | None = None
+        try:
+            report = await check_profile(profile, self.backends.inventory)
+        except NvmlUnavailable as e:
+            if warn is None:
+                raise
+            warn(f"warning: {e} (the plan below does not check the GPUs' holders)")
+        conflicts = await asyncio.to_thread(takeover.find_conflicts, profile, self.cfg, self.units, self.registry)
+        foreign = blocking_problems(report, conflicts) if report is not None else []
         if foreign:
             raise PreconditionError("refusing to start: " + "; ".join(foreign))
         if conflicts and not profile.takeover:
             raise PreconditionError("refusing to start: " + "; ".join(f"{c.describe()} is running" for c in conflicts)
                                     + " (takeover = false in the profile)")
+        return takeover.make_plan(profile, self.cfg, conflicts, how), report
+
+    async def prepare(self, how: str, progress: Progress) -> None:
+        self.stopped = []
+        profile, cfg = self.profile, self.cfg
+        plan, report = await self._decide(how)
+        conflicts = plan.conflicts
         if conflicts:
-            self.say(takeover.make_plan(profile, cfg, conflicts, how).render(), 6, "transition")
+            self.say(plan.render(), 6, "transition")
             for c in conflicts:
                 progress(f"stopping dsv4@{c.instance}")
-                took = await takeover.stop_instance(c, cfg, c.stop_deadline_s)
+                took = await takeover.stop_instance(c, c.stop_deadline_s, self.units, self.registry)
                 self.stopped.append(c)
                 self.say(f"transition: dsv4@{c.instance} stopped in {took:.2f} s", 6, "transition")
-        if conflicts or not report.ok:
+        if conflicts or report is None or not report.ok:
             progress("waiting for GPUs idle and ports free")
             loop = asyncio.get_running_loop()
             began = loop.time()
-            await wait_until_clear(Requirement.of(profile), self.inventory, cfg.gpus.wait_idle_timeout_s,
+            await wait_until_clear(Requirement.of(profile), self.backends.inventory, cfg.gpus.wait_idle_timeout_s,
                                    on_progress=lambda r: progress("still held: " + "; ".join(r.problems())[:200]))
             self.say(f"GPUs {sorted(profile.gpus)} verified idle and ports free in {loop.time() - began:.3f} s", 6,
                      "transition")
@@ -98,7 +132,7 @@ class LocalTransition:
         rolled, failed = [], []
         for c in self.stopped:
             try:
-                await asyncio.to_thread(takeover.start_instance, c)
+                await asyncio.to_thread(takeover.start_instance, c, self.units)
                 rolled.append(f"dsv4@{c.instance}")
             except SupervisorError as e:
                 failed.append(f"dsv4@{c.instance} ({e})")

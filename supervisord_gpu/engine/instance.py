@@ -12,7 +12,7 @@ from .. import records
 import os
 import time
 from ..records import dataclass, field
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Protocol
 
 from ..config.model import ProcessSpec, Profile
@@ -23,9 +23,6 @@ from .events import Event, Listener, LogSink
 from .process import START_STALL_S, Again, ManagedProcess, ProcessStatus
 from .states import INSTANCE_MOVES, InstanceState, ProcessState, check_move
 from .traffic import RouterWorkers, wait_drained
-
-Preflight = Callable[[], Awaitable[None]]
-
 
 class Gate(Protocol):
     """Order against processes this daemon does not run (cluster/gate.py: the other nodes')."""
@@ -100,6 +97,7 @@ class Instance:
         #: why a start was cancelled ("stopped while starting: pd-1p1d is taking over"), set by who cancels it
         self.cancel_reason = ""
         self._start_failure: StartError | None = None
+        self._start_began: float | None = None  # set by prepare: the start's time counts its transition
         self._lock = asyncio.Lock()
         self.failed = asyncio.Event()  # set when the instance gives up (restart limit)
 
@@ -144,11 +142,12 @@ class Instance:
         self.transition = ""
         self._set_state(InstanceState.FAILED, reason.splitlines()[0] if reason else "failed")
 
-    async def start(self, preflight: Preflight | None = None) -> None:
-        """Bring every process to ready, or leave nothing running and raise. Cancelled (told to
-        stop while starting), it stops what it started and says so: "stopped while starting"."""
+    async def prepare(self) -> None:
+        """A start's first step: leftovers of an earlier run reclaimed, our cgroup guarded; STARTING
+        ("checking"). The controller then makes room (its Transition) and calls `start`. Refused, the
+        instance is FAILED with the reason, raised; cancelled (told to stop), it is STOPPED."""
         async with self._lock:
-            began = time.monotonic()
+            self._start_began = time.monotonic()
             self.started_at = time.time()
             self.cancel_reason = ""
             self._set_state(InstanceState.STARTING, "checking")
@@ -157,27 +156,40 @@ class Instance:
                 self.owner.guard(self.name)
                 for item in cleaned:
                     self.sink.event(f"cleaned leftover cgroup of a previous run: {item}", 4, GPUSUP_EVENT="leftover")
-                if preflight is not None:
-                    await preflight()
-            except SupervisorError as e:  # refused before anything ran: said once, here
-                self.sink.event(str(e), 3, GPUSUP_EVENT="start-refused")
-                self.fail(str(e))
+            except SupervisorError as e:
+                self.refuse(e)
                 raise
             except asyncio.CancelledError:
-                self._stopped_while_starting()
+                self.stopped_while_starting()
                 raise
+
+    def refuse(self, error: SupervisorError) -> None:
+        """A start refused before anything ran (a leftover, a precondition, a transition): said once, here."""
+        self._start_began = None
+        self.sink.event(str(error), 3, GPUSUP_EVENT="start-refused")
+        self.fail(str(error))
+
+    async def start(self) -> None:
+        """After `prepare` (and the controller's transition): bring every process to ready, or leave
+        nothing running and raise. Cancelled (told to stop while starting), it stops what it started
+        and says so: "stopped while starting". Not prepared (nothing to make room for), it prepares first."""
+        if self._start_began is None:
+            await self.prepare()
+        async with self._lock:
+            began = self._start_began if self._start_began is not None else time.monotonic()
+            self._start_began = None
             self._set_state(InstanceState.STARTING)
             try:
                 await self._start_all()
             except asyncio.CancelledError:
                 await self._stop_all()
-                self._stopped_while_starting()
+                self.stopped_while_starting()
                 raise
             except BaseException as e:
                 e = first_cause(e)
                 if isinstance(e, asyncio.CancelledError):
                     await self._stop_all()
-                    self._stopped_while_starting()
+                    self.stopped_while_starting()
                     raise
                 reason = str(e) if isinstance(e, SupervisorError) else f"start-up interrupted: {e.__class__.__name__}: {e}"
                 self.sink.event(f"start failed, stopping what was started: {reason}", 3, GPUSUP_EVENT="start-failed")
@@ -229,7 +241,8 @@ class Instance:
             for spec in self.profile.processes:
                 tg.create_task(bring_up(self.processes[spec.name]))
 
-    def _stopped_while_starting(self) -> None:
+    def stopped_while_starting(self) -> None:
+        self._start_began = None
         why = self.cancel_reason or "stopped while starting"
         self.sink.event(f"{why}; what had started is stopped", 4, GPUSUP_EVENT="stopped-while-starting")
         self.transition = ""
