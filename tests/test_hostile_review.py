@@ -321,8 +321,8 @@ def test_signals_and_unprivileged_replies_carry_the_first_line_privileged_ones_t
     uids = {":1.1": 0, ":1.2": NOBODY}
     obj = InstanceObject("leaky", None, None, "gpusup-nonexistent-group", uids.__getitem__)  # type: ignore[arg-type]
     obj.snapshot, obj.public_snapshot = json.dumps(snapshot), json.dumps(public_snapshot(snapshot))
-    assert SECRET in obj.GetStatus(Ctx(":1.1"))  # root reads everything
-    for reply in (obj.GetStatus(Ctx(":1.2")), obj.GetProcess("server", dbus_context=Ctx(":1.2")),
+    assert SECRET in obj.GetStatus(dbus_context=Ctx(":1.1"))  # root reads everything (pydbus passes the context by keyword)
+    for reply in (obj.GetStatus(dbus_context=Ctx(":1.2")), obj.GetProcess("server", dbus_context=Ctx(":1.2")),
                   obj.GetHistory("server", dbus_context=Ctx(":1.2"))):
         assert SECRET not in reply and "exited during start-up" in reply
 
