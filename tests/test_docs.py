@@ -7,6 +7,11 @@ config that use every branch gives exactly the keys it accepts, with their types
 defaults. A key the loader gains and the reference lacks, a key the reference keeps after
 the loader dropped it, a default that moved: each fails here, in the fast tier.
 
+docs/operations.md is held to the code it describes the same way: every journal field and event
+the package writes, errors.py's exit codes and its table of errors (each class with its D-Bus
+name and exit code, both ways), and engine/states.py's two tables of allowed moves, state by
+state. docs/design.md's floors and forbidden imports are tests/test_layers.py's.
+
 The rest keeps the README the short page it is meant to be (under 250 lines, exactly the
 two set-up commands) and every relative link in the documents pointing at a file.
 """
@@ -570,3 +575,12 @@ def test_the_design_lists_the_floors_the_layer_test_holds() -> None:
     rows = re.findall(r"^\| (\d+) \| ((?:`[a-z_]+`(?:, )?)+) \|$", text, flags=re.M)
     documented = {name: int(floor) for floor, names in rows for name in re.findall(r"`([a-z_]+)`", names)}
     assert documented == FLOORS, "docs/design.md's floor table differs from tests/test_layers.py's FLOORS"
+
+
+def test_the_design_names_every_import_the_layer_test_forbids() -> None:
+    from test_layers import FORBIDDEN
+
+    text = " ".join((DOCS / "design.md").read_text().split())
+    missing = [f"`{mine}` never imports `{theirs}`" for mine, never in FORBIDDEN.items() for theirs in sorted(never)
+               if f"`{mine}` never imports `{theirs}`" not in text]
+    assert not missing, f"docs/design.md does not say what tests/test_layers.py's FORBIDDEN holds: {missing}"
