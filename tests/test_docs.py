@@ -7,6 +7,11 @@ config that use every branch gives exactly the keys it accepts, with their types
 defaults. A key the loader gains and the reference lacks, a key the reference keeps after
 the loader dropped it, a default that moved: each fails here, in the fast tier.
 
+docs/operations.md is held to the code it describes the same way: every journal field and event
+the package writes, errors.py's exit codes and its table of errors (each class with its D-Bus
+name and exit code, both ways), and engine/states.py's two tables of allowed moves, state by
+state. docs/design.md's floors and forbidden imports are tests/test_layers.py's.
+
 The rest keeps the README the short page it is meant to be (under 250 lines, exactly the
 two set-up commands) and every relative link in the documents pointing at a file.
 """
@@ -433,6 +438,78 @@ def test_operations_names_every_journal_field_and_event_the_daemon_writes() -> N
     assert not missing, f"docs/operations.md (The journal) lacks: {missing}"
 
 
+# -------------------------------------------------------------------------- operations: exit codes and states
+
+def section(text: str, title: str) -> str:
+    """The lines of `## title` up to the next `## ` heading (its `###` subsections included)."""
+    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, flags=re.S | re.M)
+    assert m, f"docs/operations.md has no section '## {title}'"
+    return m[1]
+
+
+def subsection(text: str, title: str) -> str:
+    """The lines of `### title` up to the next heading."""
+    m = re.search(rf"^### {re.escape(title)}\n(.*?)(?=^#+ |\Z)", text, flags=re.S | re.M)
+    assert m, f"docs/operations.md has no subsection '### {title}'"
+    return m[1]
+
+
+def documented_errors(text: str) -> dict[str, tuple[str, int]]:
+    """`| `Class` | `D-Bus name` | exit | when |` rows: class -> (D-Bus name, exit code)."""
+    rows: dict[str, tuple[str, int]] = {}
+    for name, dbus_name, code in re.findall(r"^\| `(\w+)` \| `([\w.]+)` \| (\d+) \|", text, flags=re.M):
+        assert name not in rows, f"docs/operations.md documents {name} twice"
+        rows[name] = (dbus_name, int(code))
+    return rows
+
+
+def test_operations_exit_codes_hold_every_error_of_the_table_with_its_d_bus_name_and_exit_code() -> None:
+    """errors.py's ERRORS, each with its D-Bus name and exit code, is the doc's error table, both ways."""
+    from supervisord_gpu.errors import ERRORS
+
+    documented = documented_errors(section(OPERATIONS.read_text(), "Exit codes"))
+    code = {cls.__name__: (cls.dbus_name, cls.exit_code) for cls in ERRORS}
+    missing = sorted(set(code) - set(documented))
+    assert not missing, f"docs/operations.md (Exit codes) lacks these errors of errors.py's ERRORS: {missing}"
+    gone = sorted(set(documented) - set(code))
+    assert not gone, f"docs/operations.md (Exit codes) documents errors errors.py's ERRORS does not have: {gone}"
+    wrong = [f"{name}: the doc says {documented[name]}, errors.py {code[name]}" for name in sorted(code)
+             if documented[name] != code[name]]
+    assert not wrong, "docs/operations.md (Exit codes): " + "; ".join(wrong)
+
+
+def test_operations_exit_codes_list_every_exit_code_gpusupctl_has() -> None:
+    """The first table of the section is gpusupctl's codes: exactly errors.py's EXIT_* values."""
+    from supervisord_gpu import errors
+
+    codes = {v for k, v in vars(errors).items() if k.startswith("EXIT_") and isinstance(v, int)}
+    text = section(OPERATIONS.read_text(), "Exit codes")
+    first_table = re.search(r"^\| code \| meaning \|\n\|---\|---\|\n((?:\|.*\n)+)", text, flags=re.M)
+    assert first_table, "docs/operations.md (Exit codes) starts with a `| code | meaning |` table"
+    documented = [int(c) for c in re.findall(r"^\| (\d+) \|", first_table[1], flags=re.M)]
+    assert sorted(documented) == sorted(codes), f"docs/operations.md's exit codes {documented}, errors.py's {sorted(codes)}"
+
+
+def documented_moves(text: str) -> dict[str, set[str]]:
+    """`| `from` | `to`, `to` | why |` rows: from -> the states it may move to."""
+    moves: dict[str, set[str]] = {}
+    for origin, targets in re.findall(r"^\| `(\w+)` \| ((?:`\w+`(?:, )?)+) \|", text, flags=re.M):
+        assert origin not in moves, f"docs/operations.md lists the moves from {origin} twice"
+        moves[origin] = set(re.findall(r"`(\w+)`", targets))
+    return moves
+
+
+@pytest.mark.parametrize("title, table", [("Instance moves", "INSTANCE_MOVES"), ("Process moves", "PROCESS_MOVES")])
+def test_operations_states_hold_the_engines_tables_of_moves(title: str, table: str) -> None:
+    """engine/states.py's tables of allowed moves are the doc's, state by state, both ways."""
+    from supervisord_gpu.engine import states
+
+    code = {old.value: {new.value for new in targets} for old, targets in getattr(states, table).items()}
+    documented = documented_moves(subsection(section(OPERATIONS.read_text(), "States"), title))
+    assert documented == code, (f"docs/operations.md (States, {title}) differs from engine/states.py's {table}: "
+                                f"the doc {documented}, the code {code}")
+
+
 # -------------------------------------------------------------------------- the README and the links
 
 def documents() -> list[Path]:
@@ -498,3 +575,12 @@ def test_the_design_lists_the_floors_the_layer_test_holds() -> None:
     rows = re.findall(r"^\| (\d+) \| ((?:`[a-z_]+`(?:, )?)+) \|$", text, flags=re.M)
     documented = {name: int(floor) for floor, names in rows for name in re.findall(r"`([a-z_]+)`", names)}
     assert documented == FLOORS, "docs/design.md's floor table differs from tests/test_layers.py's FLOORS"
+
+
+def test_the_design_names_every_import_the_layer_test_forbids() -> None:
+    from test_layers import FORBIDDEN
+
+    text = " ".join((DOCS / "design.md").read_text().split())
+    missing = [f"`{mine}` never imports `{theirs}`" for mine, never in FORBIDDEN.items() for theirs in sorted(never)
+               if f"`{mine}` never imports `{theirs}`" not in text]
+    assert not missing, f"docs/design.md does not say what tests/test_layers.py's FORBIDDEN holds: {missing}"
