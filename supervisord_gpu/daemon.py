@@ -90,7 +90,7 @@ def local_units() -> Units | None:
         return None
 
 
-def build_instance(cfg: DaemonConfig, profile: Profile, opts: RunOptions,  # type: ignore[no-untyped-def]
+def build_instance(cfg: DaemonConfig, profile: Profile, opts: RunOptions,
                    backends: Backends | None = None):
     """Everything but starting: the driver, the log sink, the rendered launches, the instance."""
     backends = backends if backends is not None else backends_for(cfg)
@@ -196,7 +196,7 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
             bus.close()
 
 
-def start_bus(cfg: DaemonConfig, profile: Profile, controller: InstanceController, opts: RunOptions, sink):  # type: ignore[no-untyped-def]
+def start_bus(cfg: DaemonConfig, profile: Profile, controller: InstanceController, opts: RunOptions, sink):
     """Publish the instance on the system bus; without a bus the daemon still runs, and says so."""
     if opts.bus == "off":
         return None

@@ -11,7 +11,6 @@ import re
 from .records import dataclass
 
 UNIT_PREFIX = "dsv4"
-SERVICE_TEMPLATE = f"{UNIT_PREFIX}@.service"
 CGROUPFS_ROOT_NAME = "supervisord-gpu"
 
 INSTANCE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
@@ -67,12 +66,6 @@ def owner_of_cgroup(path: str) -> Owner | None:
 
 def _is_unit(part: str) -> bool:
     return part.endswith((".slice", ".service", ".scope"))
-
-
-def scope_owner(unit: str, instance: str) -> str | None:
-    """The process a scope name gives to exactly `instance` (dsv4-tp4-server.scope is not tp4-512k's)."""
-    m = _SCOPE_RE.match(unit)
-    return m["process"] if m and m["instance"] == instance else None
 
 
 def unit_of_cgroup(path: str) -> str | None:

@@ -57,14 +57,14 @@ class InstanceClient:
         return OperationFailed(remote_text(e), name)
 
     def status(self) -> dict[str, Any]:
-        return json.loads(self.call("GetStatus"))  # type: ignore[no-any-return]
+        return json.loads(self.call("GetStatus"))
 
     def restart_process(self, process: str) -> dict[str, Any]:
         """RestartProcess: its job as JSON, or the refusal as its class (UnknownProcess, Busy, ...)."""
-        return json.loads(self.call("RestartProcess", "s", (process,)))  # type: ignore[no-any-return]
+        return json.loads(self.call("RestartProcess", "s", (process,)))
 
     def job(self, job_id: int) -> dict[str, Any]:
-        return json.loads(self.call("GetJob", "u", (int(job_id),)))  # type: ignore[no-any-return]
+        return json.loads(self.call("GetJob", "u", (int(job_id),)))
 
     def follow_job(self, job: dict[str, Any], timeout: float, show: Callable[[str], None],
                    every_s: float = JOB_POLL_S) -> dict[str, Any]:
@@ -79,7 +79,7 @@ class InstanceClient:
         seen: dict[str, Any] = {"job": job, "error": None}
         began = time.monotonic()
 
-        def on_state(_con, _sender, _path, _iface, _signal, params) -> None:  # type: ignore[no-untyped-def]
+        def on_state(_con, _sender, _path, _iface, _signal, params) -> None:
             inst, process, _state, message = params.unpack()
             if inst == self.instance and process:
                 show(f"{time.monotonic() - began:6.1f}s    {process}: {message}")
@@ -109,7 +109,7 @@ class InstanceClient:
             ctx.pop_thread_default()
         if seen["error"] is not None:
             raise seen["error"]
-        return seen["job"]  # type: ignore[no-any-return]
+        return seen["job"]
 
 
 def follow(instance: str, action: str, timeout: float, show: Callable[[str], None]) -> tuple[str, str]:
@@ -134,12 +134,12 @@ def follow(instance: str, action: str, timeout: float, show: Callable[[str], Non
     def stamp() -> str:
         return f"{time.monotonic() - began:6.1f}s"
 
-    def on_instance(_con, _sender, _path, _iface, _signal, params) -> None:  # type: ignore[no-untyped-def]
+    def on_instance(_con, _sender, _path, _iface, _signal, params) -> None:
         inst, process, _state, message = params.unpack()
         if inst == instance and process:
             show(f"{stamp()}    {process}: {message}")
 
-    def extra(con) -> list[int]:  # type: ignore[no-untyped-def]
+    def extra(con) -> list[int]:
         # A match on a well-known name: the bus delivers it only from that name's owner.
         return [con.signal_subscribe(names.bus_name(instance), names.INTERFACE, names.SIGNAL_STATE_CHANGED,
                                      names.OBJECT_PATH, None, Gio.DBusSignalFlags.NONE, on_instance)]

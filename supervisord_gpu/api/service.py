@@ -81,13 +81,13 @@ class Controls:
         return list(self.controller.instance.processes)
 
     def stop(self) -> Job:
-        return self._on_loop(self.controller.request_stop)  # type: ignore[no-any-return]
+        return self._on_loop(self.controller.request_stop)
 
     def submit(self, verb: str, work: Callable[[], Any]) -> Job:
-        return self._on_loop(lambda: self.controller.submit(verb, work))  # type: ignore[no-any-return]
+        return self._on_loop(lambda: self.controller.submit(verb, work))
 
     def job(self, job_id: int) -> Job | None:
-        return self._on_loop(lambda: self.controller.jobs.get(job_id))  # type: ignore[no-any-return]
+        return self._on_loop(lambda: self.controller.jobs.get(job_id))
 
 
 #: the longest reason a signal or an unprivileged reply carries (a holder's command line is long)
@@ -154,7 +154,6 @@ class InstanceObject:
         self.public_snapshot = self.snapshot  # the same without the children's own words
         self.status_text = "starting"
         self.state = "starting"
-        self.emitter: Callable[[str, str, str, str], None] | None = None
 
     # ---------------------------------------------------------------- authorization
 

@@ -24,9 +24,6 @@ SIGNAL_STATE_CHANGED = "StateChanged"
 READ_METHODS = ("GetStatus", "GetProcess", "GetHistory", "GetJob", "Ping")
 CONTROL_METHODS = ("Stop", "Restart", "RestartProcess")
 
-SYSTEMD_BUS = "org.freedesktop.systemd1"
-SYSTEMD_PATH = "/org/freedesktop/systemd1"
-
 
 def escape(instance: str) -> str:
     out = []
@@ -44,9 +41,3 @@ def unescape(escaped: str) -> str:
 
 def bus_name(instance: str) -> str:
     return f"{BUS_PREFIX}.{escape(instance)}"
-
-
-def instance_of_bus_name(name: str) -> str | None:
-    if not name.startswith(BUS_PREFIX + "."):
-        return None
-    return unescape(name[len(BUS_PREFIX) + 1 :])

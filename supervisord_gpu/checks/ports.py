@@ -173,13 +173,6 @@ def resolve(host: str) -> IPAddress:
     return ipaddress.ip_address(infos[0][4][0])
 
 
-def listener_pids(host: str, port: int) -> tuple[list[int], list[int]]:
-    """PIDs holding sockets that block a bind of host:port, and the uids of those sockets."""
-    socks = _blocking_sockets([(host, port)]).get((host, port), {})
-    pids_by_inode = _pids_of_inodes(set(socks))
-    return sorted({p for pids in pids_by_inode.values() for p in pids}), sorted(set(socks.values()))
-
-
 @dataclass(frozen=True)
 class ListenerOwnership:
     """Who listens on a port a process of ours should be serving: what readiness may trust.

@@ -6,7 +6,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from ..errors import EXIT_USAGE, SupervisorError
+from ..errors import SupervisorError
 
 
 def guarded(prog: str, fn: Callable[[], int]) -> int:
@@ -28,8 +28,3 @@ def guarded(prog: str, fn: Callable[[], int]) -> int:
             raise
         sys.stderr.write(f"{prog}: internal error: {e.__class__.__name__}: {e} (set SUPERVISORD_GPU_DEBUG=1 for details)\n")
         return 1
-
-
-def exit_usage(prog: str, message: str) -> int:
-    sys.stderr.write(f"{prog}: {message}\n")
-    return EXIT_USAGE

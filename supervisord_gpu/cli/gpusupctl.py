@@ -168,7 +168,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     out = sys.stdout
 
-    def show(event) -> None:  # type: ignore[no-untyped-def]
+    def show(event) -> None:
         stamp = f"{time.monotonic() - t0:7.2f}s"
         if event.kind == "process" and event.state:
             out.write(f"{stamp}  {event.process:<10} {event.message}\n")
@@ -178,7 +178,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
             out.write(f"{stamp}  == instance {event.state}" + (f": {event.message}" if event.message != event.state else "") + "\n")
         out.flush()
 
-    def on_ready(instance) -> None:  # type: ignore[no-untyped-def]
+    def on_ready(instance) -> None:
         out.write(f"\n{status_text(instance.status())}\n")
         for p in instance.status().processes:
             out.write(f"  {p.name:<8} {p.role:<8} pid {p.pid:<7} {p.host}:{p.port:<5} GPUs {p.gpus or '-'}  cgroup {p.group}\n")
@@ -197,7 +197,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     return code
 
 
-def _reach_from_servers(cfg, profile) -> None:  # type: ignore[no-untyped-def]
+def _reach_from_servers(cfg, profile) -> None:
     """The servers' users reach the code they run and the rehearsal's directories, wherever
     the checkout lies (/root included): rehearsal/reach.py says how. The config directory is
     the one the loader resolved (--config-dir, $SUPERVISORD_GPU_CONFIG_DIR or the package's
@@ -219,7 +219,7 @@ def _reach_from_servers(cfg, profile) -> None:  # type: ignore[no-untyped-def]
               "namespace of the rehearsal's own (only the checkout and the rehearsal's directories are visible there)")
 
 
-def _forget_rehearsal(runtime) -> None:  # type: ignore[no-untyped-def]
+def _forget_rehearsal(runtime) -> None:
     """The last rehearsal to end removes its state (simulated GPUs, private TMPDIRs): nothing of
     a rehearsal stays behind, even a failed one. The compile cache stays: it is a cache."""
     import shutil
@@ -256,7 +256,7 @@ def _demo_generate(url: str) -> str:
 DEMO_ANSWER_MAX = 65536  # a generation of 8 tokens answers in well under 1 KiB
 
 
-def _verify_clear(cfg, profile) -> int:  # type: ignore[no-untyped-def]
+def _verify_clear(cfg, profile) -> int:
     from ..checks.gpus import inventory_for
     from ..checks.preconditions import Requirement, check
 
@@ -318,7 +318,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     return code
 
 
-def _missing_model_paths(profile, backends) -> list[str]:  # type: ignore[no-untyped-def]
+def _missing_model_paths(profile, backends) -> list[str]:
     """Each server whose model path is not on this machine, as validate's last step says it
     (the Backends say whether they must exist: a rehearsal's stand-ins need none)."""
     import os

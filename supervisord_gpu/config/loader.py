@@ -278,7 +278,7 @@ def _cluster_config(c: Table) -> ClusterConfig:
                          cert=files["cert"], key=files["key"], user=user, password_file=files["password_file"])
 
 
-def _nonempty_str(path: Path):  # type: ignore[no-untyped-def]
+def _nonempty_str(path: Path):
     def item(value: Any, key: str) -> str:
         if not isinstance(value, str) or not value or "\x00" in value:
             raise ConfigError(path, key, f"must be a non-empty string, not {type_name(value)}")
@@ -405,7 +405,7 @@ def parse_profile(name: str, path: Path, data: dict[str, Any], default_user: str
     )
 
 
-def _process_name(path: Path):  # type: ignore[no-untyped-def]
+def _process_name(path: Path):
     def item(value: Any, key: str) -> str:
         if not isinstance(value, str):
             raise ConfigError(path, key, f"must be a process name, not {type_name(value)}")
@@ -414,7 +414,7 @@ def _process_name(path: Path):  # type: ignore[no-untyped-def]
     return item
 
 
-def _gpu_index(path: Path):  # type: ignore[no-untyped-def]
+def _gpu_index(path: Path):
     def item(value: Any, key: str) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(path, key, f"must be a GPU index (an integer), not {type_name(value)}")

@@ -61,7 +61,7 @@ def validate(profile: Profile, cfg: DaemonConfig, backends: Backends, warn: Call
     return checks[0].how if checks else "no servers"
 
 
-def blocking_problems(report: PreconditionReport, conflicts: list) -> list[str]:  # type: ignore[type-arg]
+def blocking_problems(report: PreconditionReport, conflicts: list) -> list[str]:
     """What a takeover cannot clear: holders that are not ours, or unattributed use outside our instances.
 
     A holder whose cgroup names one of the conflicting instances will go with it. Memory in
@@ -75,7 +75,7 @@ def blocking_problems(report: PreconditionReport, conflicts: list) -> list[str]:
     their_gpus = {g for c in conflicts for g in c.gpus}
     their_ports = {p for c in conflicts for p in c.ports}
 
-    def blocking(holders: list, covered: bool) -> bool:  # type: ignore[type-arg]
+    def blocking(holders: list, covered: bool) -> bool:
         if not holders:
             return not covered
         return any(h.owner is None or h.owner.instance not in ours for h in holders)

@@ -23,7 +23,7 @@ def under_systemd_service() -> bool:
         return False
 
 
-def choose_driver(mode: str, cgroup_root: str | None, instance: str, warn=print) -> OwnershipDriver:  # type: ignore[no-untyped-def]
+def choose_driver(mode: str, cgroup_root: str | None, instance: str, warn=print) -> OwnershipDriver:
     """auto: systemd under systemd, else cgroupfs, else the weak session fallback (loudly)."""
     if mode == "systemd" or (mode == "auto" and under_systemd_service()):
         from .systemd import SystemdDriver

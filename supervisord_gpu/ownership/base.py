@@ -121,7 +121,7 @@ class OwnershipDriver(abc.ABC):
                 # its group, and a group kill (SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=1, a terminal's
                 # Ctrl-C) must reach that server alone, never the daemon or its other servers.
                 start_new_session=True,
-                **self._popen_extra(),  # type: ignore[arg-type]
+                **self._popen_extra(),
             )
         except BaseException:
             os.close(gate_w)

@@ -39,15 +39,6 @@ def cgroup2_mount() -> Path | None:
     return None
 
 
-def own_cgroup() -> str:
-    """This process's cgroup v2 path (the "0::" line of /proc/self/cgroup)."""
-    with open("/proc/self/cgroup") as f:
-        for line in f:
-            if line.startswith("0::"):
-                return line[3:].strip()
-    return "/"
-
-
 def default_root() -> Path | None:
     mount = cgroup2_mount()
     return None if mount is None else mount / CGROUPFS_ROOT_NAME

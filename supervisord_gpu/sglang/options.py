@@ -191,7 +191,7 @@ class _Parser(argparse.ArgumentParser):
     `--cuda-graph-max-bs`, gets the message the real parser prints for it.
     """
 
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         argv = list(sys.argv[1:] if args is None else args)
         known = self._option_string_actions
         for token in argv:

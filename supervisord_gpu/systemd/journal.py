@@ -79,7 +79,7 @@ class JournalSink:
 class StderrSink:
     """Terminal output: child lines prefixed by their process, the daemon's own by the program."""
 
-    def __init__(self, instance: str, stream=None, colour: bool | None = None, quiet_children: bool = False) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, instance: str, stream=None, colour: bool | None = None, quiet_children: bool = False) -> None:
         self.instance = instance
         self.stream = stream or sys.stderr
         self.colour = self.stream.isatty() if colour is None else colour
@@ -109,7 +109,7 @@ class StderrSink:
         self._write(f"{tag} {message}")
 
 
-def open_sink(instance: str, force_stderr: bool = False):  # type: ignore[no-untyped-def]
+def open_sink(instance: str, force_stderr: bool = False):
     if not force_stderr and JournalSink.available():
         return JournalSink(instance)
     return StderrSink(instance)

@@ -16,14 +16,13 @@ or a JobRemoved for our unit.
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable, Iterable
 from ..records import dataclass
 from typing import Any
 
 from ..bus.errors import ALREADY_SUBSCRIBED, DENIED, NO_SUCH_UNIT, NO_UNIT_FOR_PID, error_name, remote_text
 from ..errors import BusError, OperationFailed, PermissionDenied, UnitNotFound
-from ..names import INSTANCE_NAME_RE, UNIT_PREFIX, service_name
+from ..names import INSTANCE_NAME_RE, UNIT_PREFIX
 
 BUS = "org.freedesktop.systemd1"
 PATH = "/org/freedesktop/systemd1"
@@ -233,13 +232,13 @@ class Systemd:
         ended: dict[str, str] = {}
         wanted: dict[str, str] = {}
 
-        def job_removed(_con, _sender, _path, _iface, _signal, params) -> None:  # type: ignore[no-untyped-def]
+        def job_removed(_con, _sender, _path, _iface, _signal, params) -> None:
             _id, job, _unit, result = params.unpack()
             ended[job] = result
             if wanted.get("job") == job:
                 loop.quit()
 
-        def changed(_con, _sender, _path, _iface, _signal, params) -> None:  # type: ignore[no-untyped-def]
+        def changed(_con, _sender, _path, _iface, _signal, params) -> None:
             iface, props, _invalidated = params.unpack()
             if on_status is not None and iface == SERVICE and props.get("StatusText"):
                 on_status(str(props["StatusText"]))
@@ -334,41 +333,3 @@ class Systemd:
             return
         self.stop(unit, timeout=timeout)
         self.reset_failed(unit)
-
-
-def instance_unit(instance: str) -> str:
-    return service_name(instance)
-
-
-def wait_for_active_state(systemd: Systemd, unit: str, states: tuple[str, ...], timeout: float) -> str:
-    """Wait (by PropertiesChanged, not polling) until `unit` is in one of `states`; its state then."""
-    from gi.repository import Gio, GLib
-
-    path = systemd.load_unit(unit)
-    ctx = GLib.MainContext.new()
-    ctx.push_thread_default()
-    loop = GLib.MainLoop(ctx)
-    seen = {"state": ""}
-
-    def changed(_con, _sender, _path, _iface, _signal, params) -> None:  # type: ignore[no-untyped-def]
-        iface, props, _invalidated = params.unpack()
-        if iface == UNIT and "ActiveState" in props:
-            seen["state"] = str(props["ActiveState"])
-            if seen["state"] in states:
-                loop.quit()
-
-    sub = systemd.con.signal_subscribe(BUS, PROPERTIES, "PropertiesChanged", path, None, Gio.DBusSignalFlags.NONE, changed)
-    try:
-        systemd.subscribe()
-        seen["state"] = str(systemd.get(path, UNIT, "ActiveState"))
-        deadline = time.monotonic() + timeout
-        if seen["state"] not in states:
-            timer = GLib.timeout_source_new(int(max(0.0, deadline - time.monotonic()) * 1000))
-            timer.set_callback(lambda *_a: (loop.quit(), False)[1])
-            timer.attach(ctx)
-            loop.run()
-            timer.destroy()
-        return seen["state"]
-    finally:
-        systemd.con.signal_unsubscribe(sub)
-        ctx.pop_thread_default()
