@@ -29,12 +29,14 @@ test-setup: $(STAMP)
 	@if [ "$$(id -u)" = 0 ] && ! dpkg -s $(TEST_APT_PKGS) >/dev/null 2>&1; then \
 	    sh tests/rig/install_quietly.sh $(TEST_APT_PKGS); fi
 
-# The shipped profiles run as the package's unprivileged user (what the .deb's postinst creates).
+# The shipped profiles run their servers as the package's unprivileged user and the router as
+# one of its own (what the .deb's postinst creates).
 SERVER_USER = sglang
+ROUTER_USER = sglang-router
 
 rehearse: $(STAMP)
-	@if [ "$$(id -u)" = 0 ] && ! getent passwd $(SERVER_USER) >/dev/null; then \
-	    useradd --system --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin $(SERVER_USER); fi
+	@if [ "$$(id -u)" = 0 ]; then for u in $(SERVER_USER) $(ROUTER_USER); do getent passwd $$u >/dev/null || \
+	    useradd --system --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin $$u; done; fi
 	$(VENV)/bin/gpusupctl rehearse $(PROFILE) --config-dir etc/supervisord-gpu
 
 # The cluster on one machine: three real systemd hosts in containers on a private bridge,
@@ -49,7 +51,7 @@ rehearse-cluster: test-setup
 # From a checkout nobody may enter (/root), the tests that run servers or attackers as nobody
 # run in a mount namespace where it may (supervisord_gpu/rehearsal/reach.py); elsewhere a no-op.
 TEST_WORKERS ?= 4
-REACH = $(VENV)/bin/python -m supervisord_gpu.rehearsal.reach nobody,$(SERVER_USER) $(CURDIR) --
+REACH = $(VENV)/bin/python -m supervisord_gpu.rehearsal.reach nobody,$(SERVER_USER),$(ROUTER_USER) $(CURDIR) --
 
 test: test-setup check
 	$(REACH) $(VENV)/bin/python -m pytest -q -rfEs -m "not fast" -n $(TEST_WORKERS) --dist loadgroup --durations=25

@@ -17,13 +17,15 @@ DAEMON = f"{REPO}/.venv/bin/supervisord-gpu"
 CONFIG = """
 [daemon]
 start_stall_timeout = {stall}
-# The tests' own profiles run their stand-ins as root; the shipped ones say user = "sglang".
+# The tests' own profiles run their stand-ins as root; the shipped ones say user = "sglang" (the
+# servers) and "sglang-router" (the router).
 default_user = "root"
 [rehearsal]
 enabled = true
 server_startup = {startup}
 server_mib_per_gpu = 1000
 """
+PACKAGE_USERS = ("sglang", "sglang-router")  # the servers' and the router's, as the .deb's postinst makes them
 METRICS = """
 [metrics]
 enabled = true
@@ -64,9 +66,10 @@ def install(ctr, startup: float = 1.0, stall: float = 120.0, unit_extra: str = "
     ctr.write_file("/etc/dbus-1/system.d/org.supervisordgpu.conf",
                    (REPO / "etc" / "dbus-1" / "system.d" / "org.supervisordgpu.conf").read_text())
     ctr.run(["groupadd", "-f", "--system", "gpusup"])
-    if ctr.run(["getent", "passwd", "sglang"], check=False).returncode != 0:  # what the .deb's postinst creates
-        ctr.run(["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent",
-                 "--shell", "/usr/sbin/nologin", "sglang"])
+    for user in PACKAGE_USERS:  # what the .deb's postinst creates
+        if ctr.run(["getent", "passwd", user], check=False).returncode != 0:
+            ctr.run(["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent",
+                     "--shell", "/usr/sbin/nologin", user])
     ctr.systemctl("reload", "dbus")
     ctr.daemon_reload()
 

@@ -62,6 +62,7 @@ FAST_MODULES = frozenset({
     "test_cli_defaults",
     "test_state_tables",
     "test_local_decisions",
+    "test_router_user",
 })
 
 

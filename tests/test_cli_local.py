@@ -126,19 +126,25 @@ def test_a_failed_rehearsal_leaves_nothing_behind_either(tmp_path, cgroups):
     wait_for(lambda: sorted(p.name for p in (tmp_path / "run" / "rehearsal").iterdir()) in ([], ["cache"]), 5, "cleanup")
 
 
-def test_a_rehearsal_runs_its_servers_as_a_user_who_cannot_enter_the_checkout(tmp_path, cgroups):
+@pytest.mark.parametrize("router_user", [None, "daemon"], ids=["router-as-the-servers", "router-of-its-own"])
+def test_a_rehearsal_runs_its_servers_as_a_user_who_cannot_enter_the_checkout(tmp_path, cgroups, router_user):
     """#26: a checkout in /root (0700) and servers run as `sglang` (here: nobody). The checkout
     is this one, bound under a 0700 directory in a mount namespace of the test's own; the
     config and runtime directories lie under pytest's 0700 temp root. Before rehearsal/reach.py
-    the first stand-in died: PermissionError: '.../.venv/bin/python3'."""
+    the first stand-in died: PermissionError: '.../.venv/bin/python3'. #37: the shipped profiles
+    run the router as `sglang-router` (here: daemon, another account): it reaches the checkout too."""
     closed = tmp_path / "root"
     (closed / "supervisord-gpu").mkdir(parents=True)
     closed.chmod(0o700)
     checkout = closed / "supervisord-gpu"
-    cdir = rehearse_config_dir(tmp_path, cgroups, pd_profile(free_ports(5)), "server_startup = 0.3", user="nobody")
+    router_extra = f'user = "{router_user}"' if router_user else ""
+    cdir = rehearse_config_dir(tmp_path, cgroups, pd_profile(free_ports(5), router_extra=router_extra),
+                               "server_startup = 0.3", user="nobody")
     nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
+    router = ["setpriv", f"--reuid={router_user or 'nobody'}", "--regid=nogroup", "--clear-groups", "--"]
     script = (f"mount --bind {REPO} {checkout} && cd {checkout} && "
               f"if {' '.join(nobody)} test -x {checkout}/.venv/bin/python3; then echo 'nobody enters the checkout: the test proves nothing'; exit 9; fi; "
+              f"if {' '.join(router)} test -x {checkout}/.venv/bin/python3; then echo 'the router enters the checkout: the test proves nothing'; exit 9; fi; "
               f"exec {checkout}/.venv/bin/python3 -m supervisord_gpu.cli.gpusupctl rehearse pd --config-dir {cdir}")
     r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
                        capture_output=True, text=True, timeout=120)

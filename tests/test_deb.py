@@ -118,8 +118,9 @@ def test_installs_keeps_edited_conffile_on_reinstall_and_purges_clean(container,
     assert c.is_active("gpusup-agent.service") == "inactive"
     gid = int(c.run(["getent", "group", "gpusup"]).stdout.split(":")[2])
     assert gid < 1000, "gpusup should be a system group"
-    _name, _pw, uid, _gid, _gecos, home, shell = c.run(["getent", "passwd", "sglang"]).stdout.strip().split(":")
-    assert int(uid) < 1000 and shell == "/usr/sbin/nologin", "the shipped profiles' user: a system user, no shell"
+    for user in ("sglang", "sglang-router"):  # the shipped profiles' servers' user and the router's own
+        _name, _pw, uid, _gid, _gecos, home, shell = c.run(["getent", "passwd", user]).stdout.strip().split(":")
+        assert int(uid) < 1000 and shell == "/usr/sbin/nologin", f"{user}: should be a system user, no shell"
 
     assert "render" in c.run(["gpusupctl", "--help"]).stdout
     rendered = c.run(["gpusupctl", "render", "tp4-512k"]).stdout
@@ -139,7 +140,9 @@ def test_installs_keeps_edited_conffile_on_reinstall_and_purges_clean(container,
                  if _exists(c, p)]
     assert leftovers == []
     assert c.run(["getent", "group", "gpusup"], check=False).returncode == 2, "purge should remove group gpusup"
-    assert c.run(["getent", "passwd", "sglang"], check=False).returncode == 2, "purge should remove user sglang"
+    for user in ("sglang", "sglang-router"):
+        assert c.run(["getent", "passwd", user], check=False).returncode == 2, f"purge should remove user {user}"
+        assert c.run(["getent", "group", user], check=False).returncode == 2, f"purge should remove group {user}"
     assert c.systemctl("list-unit-files", "--no-legend", "dsv4@*", check=False).stdout.strip() == ""
 
 
@@ -172,8 +175,10 @@ def test_installed_package_runs_an_instance_that_root_and_users_can_see_but_only
     rehearse_in_package_config(c, server_startup=1.0)  # no GPU here: stand-ins
     c.systemctl("start", "dsv4@tp4-512k", timeout=120)
     assert c.is_active("dsv4@tp4-512k") == "active"
-    sglang = int(c.run(["id", "-u", "sglang"]).stdout)
-    assert {p.uid for p in c.processes() if "/dsv4-" in p.cgroup} == {sglang}  # the server and the router, not root
+    sglang, router = (int(c.run(["id", "-u", user]).stdout) for user in ("sglang", "sglang-router"))
+    uids = {p.uid for p in c.processes() if "/dsv4-" in p.cgroup and not p.cgroup.endswith("-router.scope")}
+    assert uids == {sglang}  # the server, not root
+    assert {p.uid for p in c.processes() if p.cgroup.endswith("dsv4-tp4-512k-router.scope")} == {router}  # its own user
     for user in (None, "alice"):
         out = c.run(["gpusupctl", "status"], user=user).stdout
         assert "dsv4@tp4-512k.service" in out and "ready: 1 server behind router on 0.0.0.0:30001, GPUs 0-3" in out, out

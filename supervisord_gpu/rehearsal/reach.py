@@ -3,7 +3,8 @@
 Why: the shipped profiles run their servers as ``sglang``, and a rehearsal runs them from the
 checkout (``.venv/bin/python3 -m supervisord_gpu.rehearsal.standin_server``). A checkout in
 ``/root`` (0700) or in a 0700 home cannot be entered by ``sglang``, so the first stand-in died
-with ``PermissionError: '/root/supervisord-gpu/.venv/bin/python3'``.
+with ``PermissionError: '/root/supervisord-gpu/.venv/bin/python3'``. The router runs as a user of
+its own (``sglang-router``) and runs the checkout's code too: every user a profile names is covered.
 
 What we do instead of asking the operator to move the checkout or to open ``/root``: a
 rehearsal run as root enters a mount namespace of its own (nothing outside it sees a change)
@@ -85,7 +86,7 @@ def plan(needed: Iterable[Path], users: Iterable[str]) -> dict[Path, list[Path]]
             raise UsageError(f"rehearsal: {p} is not a directory")
         for acct in accounts:
             if not acct.may(p, stat.S_IXOTH | stat.S_IROTH):
-                raise UsageError(f"rehearsal: {p} is not readable by {acct.name}, who runs the profile's servers; "
+                raise UsageError(f"rehearsal: {p} is not readable by {acct.name}, who runs a process of the profile; "
                                   f"chmod o+rx {p} (or run the rehearsal from a checkout {acct.name} can read)")
         closed = closed_ancestors(p, accounts)
         if closed:
