@@ -128,7 +128,7 @@ def test_a_signal_mid_install_still_removes_policy_rc_d_and_disables_what_was_en
     The script now waits for apt, puts the host back, and ends with the signal's status."""
     root = machine(tmp_path)
     started = tmp_path / "apt-started"
-    slow = FAKE_APT + f"echo > {started}\nsleep 1\n"
+    slow = FAKE_APT + f"echo > {started}\nsleep 0.5\n"
     apt = tmp_path / "apt-get"
     apt.write_text(slow)
     apt.chmod(0o755)
@@ -140,7 +140,7 @@ def test_a_signal_mid_install_still_removes_policy_rc_d_and_disables_what_was_en
     assert started.exists(), "the fake apt never ran"
     script.send_signal(signum)
     _, err = script.communicate(timeout=30)
-    time.sleep(1.2)  # an orphaned apt (the old script died at once) has finished by now
+    time.sleep(0.6)  # an orphaned apt (the old script died at once) has finished by now
     assert script.returncode == 128 + signum, err
     assert not (root / "usr/sbin/policy-rc.d").exists(), "policy-rc.d left on the host"
     assert links(root) == {"multi-user.target.wants/theirs.service"}, err
