@@ -70,6 +70,7 @@ def etcd(tmp_path):  # type: ignore[no-untyped-def]
 class NodeDaemon:
     def __init__(self, tmp: Path, node: str, profile: str, etcd: EtcdServer, cgroup_root: Path) -> None:
         extra = f'[cluster]\nnode = "{node}"\netcd = ["{etcd.url}"]\nprefix = "/t"\nlease_ttl = 3\n'
+        extra += "insecure = true\n"  # the test's own etcd on loopback, without TLS or login
         self.cdir = write_config(tmp / node, {"pd": profile}, cgroup_root, startup=1.0, extra=extra, router="real")
         self.log_path = tmp / f"{node}.log"
         self.proc = subprocess.Popen(

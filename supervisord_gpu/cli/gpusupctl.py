@@ -394,10 +394,14 @@ def cluster_status(args: argparse.Namespace) -> int:
     and the transition under way. etcd out of reach is said, exit 4 (the parts keep running).
     Every record is typed (cluster/records.py): a bad one is named on stderr and left out."""
     from ..cluster.store import ClusterStore
+    from ..config.cluster import insecure_warning
     from ..config.loader import load_daemon_config
     from ..records import asdict
 
     cfg = load_daemon_config(args.config_dir)
+    insecure = insecure_warning(cfg.cluster)
+    if insecure and not args.json:
+        print(f"WARNING: {insecure}")
     store = ClusterStore(cfg.cluster)
     nodes, holder, current = store.nodes(), store.holder(), store.current()
     by_instance: dict[str, dict[str, str]] = {}
@@ -406,7 +410,7 @@ def cluster_status(args: argparse.Namespace) -> int:
     shown = {i for n in nodes.values() for i, _ in n.parts}
     parts = {name: states for name, states in by_instance.items() if name in shown}
     if args.json:
-        print(json.dumps({"etcd": store.endpoint, "nodes": {n: asdict(r) for n, r in nodes.items()}, "processes": parts,
+        print(json.dumps({"etcd": store.endpoint, "insecure": insecure, "nodes": {n: asdict(r) for n, r in nodes.items()}, "processes": parts,
                           "lock": holder.to_json() if holder else None,
                           "transition": current[1].to_json() if current else None}, indent=2, default=str))
         return 0
