@@ -62,6 +62,7 @@ FAST_MODULES = frozenset({
     "test_cli_defaults",
     "test_state_tables",
     "test_cluster_consent",
+    "test_cluster_credentials",
 })
 
 
