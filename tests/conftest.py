@@ -63,6 +63,7 @@ FAST_MODULES = frozenset({
     "test_state_tables",
     "test_cluster_consent",
     "test_cluster_credentials",
+    "test_cli_logs",
 })
 
 

@@ -666,8 +666,18 @@ def _switch_cluster(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
+    """journalctl -u takes a pattern: `logs 'x*'` showed every dsv4@x… unit. Names are exact
+    (the daemon's own rules: no `*?[]\\` can pass them), so -u matches one unit and still
+    brings systemd's own lines about it (started, stopped, failed), which `_SYSTEMD_UNIT=` would not."""
     import os
 
+    from ..errors import UsageError
+    from ..names import INSTANCE_NAME_RE, PROCESS_NAME_RE
+
+    if not INSTANCE_NAME_RE.match(args.name):
+        raise UsageError(f"{args.name!r} is not a valid instance name (logs takes one exact name, no patterns)")
+    if args.process is not None and not PROCESS_NAME_RE.match(args.process):
+        raise UsageError(f"{args.process!r} is not a valid process name")
     argv = ["journalctl", "-u", f"dsv4@{args.name}.service", "--no-hostname"]
     if args.process:
         argv.append(f"GPUSUP_PROCESS={args.process}")
