@@ -249,7 +249,7 @@ def _cluster_config(c: Table) -> ClusterConfig:
         raise c.error("node", f"must be a host name label (lower-case letters, digits and '-'), not {node!r}")
 
     def endpoint(value: Any, key: str) -> str:
-        if not isinstance(value, str) or not re.match(r"^https?://[^\s/]+\Z", value):
+        if not isinstance(value, str) or not re.match(r"^https?://[^\s/\x00-\x1f\x7f]+\Z", value):
             raise ConfigError(c.path, key, f"must be an etcd URL like \"http://10.0.0.1:2379\", not {value!r}")
         return value
 
