@@ -250,7 +250,7 @@ def _cluster_config(c: Table) -> ClusterConfig:
 
     def endpoint(value: Any, key: str) -> str:
         if not isinstance(value, str) or not re.match(r"^https?://[^\s/\x00-\x1f\x7f]+\Z", value):
-            raise ConfigError(c.path, key, f"must be an etcd URL like \"http://10.0.0.1:2379\", not {value!r}")
+            raise ConfigError(c.path, key, f"must be an etcd URL like \"https://10.0.0.1:2379\", not {value!r}")
         return value
 
     etcd = c.list("etcd", endpoint, ())
