@@ -7,7 +7,7 @@ PY      ?= /usr/bin/python3
 VENV    ?= .venv
 PROFILE ?= pd-1p1d
 APT_PKGS = python3-venv python3-gi dbus libglib2.0-bin
-TEST_APT_PKGS = systemd-container debootstrap dbus prometheus etcd-server openssl
+TEST_APT_PKGS = systemd-container debootstrap dbus prometheus etcd-server openssl acl
 # Debian starts and enables the daemons it installs (etcd on 2379, prometheus on 9090, its node
 # exporter on 9100, and what their Recommends bring; debhelper brings man-db and its timer): the
 # tests start their own, on addresses they own, so the host gets none. Every apt install here

@@ -105,7 +105,10 @@ def build_instance(cfg: DaemonConfig, profile: Profile, opts: RunOptions,
     if profile.is_cluster:  # a node's part: its order against the other nodes goes through etcd
         from .cluster.gate import ClusterGate
         from .cluster.store import ClusterStore
+        from .config.cluster import insecure_warning
 
+        if warning := insecure_warning(cfg.cluster):
+            sink.event(warning, 4)
         gate = ClusterGate(ClusterStore(cfg.cluster), profile, cfg.cluster.node, lambda m, prio: sink.event(m, prio))
     instance = Instance(profile, launches, driver, sink, leftovers=cfg.leftovers, gate=gate,
                         start_stall_s=cfg.start_stall_timeout_s)

@@ -31,7 +31,8 @@ def node_config(tmp: Path, node: str = "a", etcd: str = "http://127.0.0.1:9") ->
     (tmp / "profiles").mkdir(parents=True, exist_ok=True)
     (tmp / "supervisord-gpu.toml").write_text(
         f'[daemon]\ndefault_user = "root"\n[gpus]\nbackend = "simulated"\nwait_idle_timeout = 1\n'
-        f'[cluster]\nnode = "{node}"\netcd = ["{etcd}"]\nprefix = "/c"\nlease_ttl = 30\n')
+        f'[cluster]\nnode = "{node}"\netcd = ["{etcd}"]\nprefix = "/c"\nlease_ttl = 30\n'
+        'insecure = true\n')  # a local etcd of the tests' own, without TLS or login
     for name, text in PROFILES.items():
         (tmp / "profiles" / f"{name}.toml").write_text(textwrap.dedent(text))
     return load_daemon_config(tmp)

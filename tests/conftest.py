@@ -63,6 +63,9 @@ FAST_MODULES = frozenset({
     "test_state_tables",
     "test_local_decisions",
     "test_router_user",
+    "test_cluster_consent",
+    "test_cluster_credentials",
+    "test_cli_logs",
 })
 
 

@@ -176,7 +176,8 @@ def test_a_cluster_profile_without_etcd_is_refused_naming_the_daemon_config_key(
 
 
 @pytest.mark.parametrize("cluster, key, words", [
-    ('etcd = ["10.0.0.1:2379"]', "cluster.etcd[0]", 'must be an etcd URL like "http://10.0.0.1:2379"'),
+    ('etcd = ["10.0.0.1:2379"]', "cluster.etcd[0]", 'must be an etcd URL like "https://10.0.0.1:2379"'),
+    ('etcd = ["https://10.0.0.1\\u0000:2379"]', "cluster.etcd[0]", "must be an etcd URL like"),
     ('node = "Node_A"', "cluster.node", "must be a host name label"),
     ("lease_ttl = 1", "cluster.lease_ttl", ""),
     ('prefix = "no-slash"', "cluster.prefix", "must be a key path"),

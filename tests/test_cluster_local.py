@@ -70,6 +70,7 @@ def etcd(tmp_path):  # type: ignore[no-untyped-def]
 class NodeDaemon:
     def __init__(self, tmp: Path, node: str, profile: str, etcd: EtcdServer, cgroup_root: Path) -> None:
         extra = f'[cluster]\nnode = "{node}"\netcd = ["{etcd.url}"]\nprefix = "/t"\nlease_ttl = 3\n'
+        extra += "insecure = true\n"  # the test's own etcd on loopback, without TLS or login
         self.cdir = write_config(tmp / node, {"pd": profile}, cgroup_root, startup=1.0, extra=extra, router="real")
         self.log_path = tmp / f"{node}.log"
         self.proc = subprocess.Popen(
@@ -111,6 +112,7 @@ def test_pd_across_two_nodes_starts_and_stops_in_one_order_through_etcd(tmp_path
         b = NodeDaemon(tmp_path, "b", pd_across(ports), etcd, other.root)
         wait_for(lambda: "instance ready" in a.log() and "instance ready" in b.log(), 90, "both parts ready")
         assert ok(f"http://127.0.0.1:{ports[2]}/readiness")
+        assert "etcd is insecure by consent" in a.log(), a.log()[-2000:]  # said at every start (#37)
         a.proc.send_signal(signal.SIGTERM)  # both told to stop at once: the order comes from etcd
         b.proc.send_signal(signal.SIGTERM)
         assert a.stop() == 0 and b.stop() == 0, a.log()[-2000:] + b.log()[-2000:]

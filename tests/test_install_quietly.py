@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -117,3 +119,28 @@ exit 0
     offline = "#!/bin/sh\n[ \"$1\" = update ] && { echo 'E: Failed to fetch' >&2; exit 100; }\nexit 0\n"
     failed = install(tmp_path, root, "prometheus", apt_text=offline)
     assert failed.returncode != 0 and "waiting" not in failed.stderr, failed.stderr  # no lock: not retried
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_signal_mid_install_still_removes_policy_rc_d_and_disables_what_was_enabled(tmp_path: Path, signum: int) -> None:
+    """A SIGTERM or SIGHUP while apt ran (a closed ssh session, a killed `make`) left our
+    policy-rc.d ("exit 101") on the host: from then on no package install started its service.
+    The script now waits for apt, puts the host back, and ends with the signal's status."""
+    root = machine(tmp_path)
+    started = tmp_path / "apt-started"
+    slow = FAKE_APT + f"echo > {started}\nsleep 0.5\n"
+    apt = tmp_path / "apt-get"
+    apt.write_text(slow)
+    apt.chmod(0o755)
+    env = {**os.environ, "INSTALL_ROOT": str(root), "APT_GET": str(apt)}
+    script = subprocess.Popen(["sh", str(SCRIPT), "etcd-server"], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not started.exists() and script.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert started.exists(), "the fake apt never ran"
+    script.send_signal(signum)
+    _, err = script.communicate(timeout=30)
+    time.sleep(0.6)  # an orphaned apt (the old script died at once) has finished by now
+    assert script.returncode == 128 + signum, err
+    assert not (root / "usr/sbin/policy-rc.d").exists(), "policy-rc.d left on the host"
+    assert links(root) == {"multi-user.target.wants/theirs.service"}, err

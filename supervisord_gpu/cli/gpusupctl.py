@@ -387,10 +387,14 @@ def cluster_status(args: argparse.Namespace) -> int:
     and the transition under way. etcd out of reach is said, exit 4 (the parts keep running).
     Every record is typed (cluster/records.py): a bad one is named on stderr and left out."""
     from ..cluster.store import ClusterStore
+    from ..config.cluster import insecure_warning
     from ..config.loader import load_daemon_config
     from ..records import asdict
 
     cfg = load_daemon_config(args.config_dir)
+    insecure = insecure_warning(cfg.cluster)
+    if insecure and not args.json:
+        print(f"WARNING: {insecure}")
     store = ClusterStore(cfg.cluster)
     nodes, holder, current = store.nodes(), store.holder(), store.current()
     by_instance: dict[str, dict[str, str]] = {}
@@ -399,7 +403,7 @@ def cluster_status(args: argparse.Namespace) -> int:
     shown = {i for n in nodes.values() for i, _ in n.parts}
     parts = {name: states for name, states in by_instance.items() if name in shown}
     if args.json:
-        print(json.dumps({"etcd": store.endpoint, "nodes": {n: asdict(r) for n, r in nodes.items()}, "processes": parts,
+        print(json.dumps({"etcd": store.endpoint, "insecure": insecure, "nodes": {n: asdict(r) for n, r in nodes.items()}, "processes": parts,
                           "lock": holder.to_json() if holder else None,
                           "transition": current[1].to_json() if current else None}, indent=2, default=str))
         return 0
@@ -658,8 +662,18 @@ def _switch_cluster(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
+    """journalctl -u takes a pattern: `logs 'x*'` showed every dsv4@x… unit. Names are exact
+    (the daemon's own rules: no `*?[]\\` can pass them), so -u matches one unit and still
+    brings systemd's own lines about it (started, stopped, failed), which `_SYSTEMD_UNIT=` would not."""
     import os
 
+    from ..errors import UsageError
+    from ..names import INSTANCE_NAME_RE, PROCESS_NAME_RE
+
+    if not INSTANCE_NAME_RE.match(args.name):
+        raise UsageError(f"{args.name!r} is not a valid instance name (logs takes one exact name, no patterns)")
+    if args.process is not None and not PROCESS_NAME_RE.match(args.process):
+        raise UsageError(f"{args.process!r} is not a valid process name")
     argv = ["journalctl", "-u", f"dsv4@{args.name}.service", "--no-hostname"]
     if args.process:
         argv.append(f"GPUSUP_PROCESS={args.process}")

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..checks.gpus import GpuInventory
 from ..checks.preconditions import Requirement, wait_until_clear
+from ..config.cluster import insecure_warning
 from ..config.loader import load_profile
 from ..config.model import DaemonConfig, Profile
 from ..errors import SupervisorError
@@ -74,6 +75,8 @@ class NodeAgent:
     # -- life ------------------------------------------------------------------------------
 
     def run(self) -> int:
+        if warning := insecure_warning(self.cfg.cluster):
+            self.say(warning, 4)
         self.lease = self.store.grant()
         self.announce()
         self.say(f"agent of node {self.node}: in etcd at {self.store.endpoint} (lease TTL {self.cfg.cluster.lease_ttl_s} s)", 6)

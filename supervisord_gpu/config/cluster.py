@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..records import replace
-from .model import ProcessSpec, Profile
+from .model import ClusterConfig, ProcessSpec, Profile
 from .tables import Table, type_name
 
 NODE_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\Z")  # a hostname label
@@ -79,6 +79,29 @@ def placement(t: Table, nodes: tuple[tuple[str, str], ...], server: bool) -> dic
     if t.has("dist_init_port"):
         raise t.error("dist_init_port", "is for a server spanning nodes (nodes = [...])")
     return {"node": where, "address": known[where]}
+
+
+def etcd_exposures(c: ClusterConfig) -> tuple[str, ...]:
+    """What leaves etcd open to whoever reaches it: no TLS (a plain http:// endpoint: orders and
+    a password readable and forgeable on the wire), no login (neither a client certificate nor a
+    user: anyone who can connect writes). Either lets a stranger order this node's root agent."""
+    out: list[str] = []
+    plain = [e for e in c.etcd if e.startswith("http://")]
+    if plain:
+        out.append(f"no TLS ({', '.join(plain)})")
+    if c.etcd and c.cert is None and c.user is None:
+        out.append("no login (neither cert/key nor user/password_file)")
+    return tuple(out)
+
+
+def insecure_warning(c: ClusterConfig) -> str | None:
+    """The line every start of an agent or a cluster part says at warning priority, and
+    `status --cluster` shows, while etcd runs insecure by consent; None when it does not."""
+    exposed = etcd_exposures(c)
+    if not exposed:
+        return None
+    return (f"etcd is insecure by consent ([cluster] insecure = true in supervisord-gpu.toml): "
+            f"{'; '.join(exposed)}; whoever reaches etcd can make this node's root agent stop and start units")
 
 
 def nodes_of(spec: ProcessSpec) -> tuple[str | None, ...]:

@@ -249,8 +249,8 @@ def _cluster_config(c: Table) -> ClusterConfig:
         raise c.error("node", f"must be a host name label (lower-case letters, digits and '-'), not {node!r}")
 
     def endpoint(value: Any, key: str) -> str:
-        if not isinstance(value, str) or not re.match(r"^https?://[^\s/]+\Z", value):
-            raise ConfigError(c.path, key, f"must be an etcd URL like \"http://10.0.0.1:2379\", not {value!r}")
+        if not isinstance(value, str) or not re.match(r"^https?://[^\s/\x00-\x1f\x7f]+\Z", value):
+            raise ConfigError(c.path, key, f"must be an etcd URL like \"https://10.0.0.1:2379\", not {value!r}")
         return value
 
     etcd = c.list("etcd", endpoint, ())
@@ -273,9 +273,16 @@ def _cluster_config(c: Table) -> ClusterConfig:
         raise c.error("user" if user is None else "password_file", "user and password_file go together (etcd's authentication)")
     if (files["cacert"] or files["cert"]) and any(not e.startswith("https://") for e in etcd):
         raise c.error("etcd", "must be https:// URLs when cacert or cert is set")
+    insecure = c.bool("insecure", False)
     c.finish()
-    return ClusterConfig(node=node, etcd=tuple(etcd), prefix=prefix, lease_ttl_s=ttl, cacert=files["cacert"],
-                         cert=files["cert"], key=files["key"], user=user, password_file=files["password_file"])
+    out = ClusterConfig(node=node, etcd=tuple(etcd), prefix=prefix, lease_ttl_s=ttl, cacert=files["cacert"],
+                        cert=files["cert"], key=files["key"], user=user, password_file=files["password_file"],
+                        insecure=insecure)
+    exposed = cluster.etcd_exposures(out)
+    if exposed and not insecure:
+        raise c.error("etcd", f"{'; '.join(exposed)}: whoever reaches etcd could order this node's root agent; "
+                              f"set up TLS and a login (docs/cluster.md), or consent with insecure = true in [cluster]")
+    return out
 
 
 def _nonempty_str(path: Path):
@@ -639,6 +646,7 @@ def _options(t: Table, managed: dict[str, str]) -> tuple[tuple[str, OptionValue]
         elif isinstance(v, list):
             if not all(isinstance(x, (str, int, float)) and not isinstance(x, bool) for x in v):
                 raise ConfigError(t.path, key, "a list option may hold only strings and numbers")
+            _check_list_items(t.path, key, v)
             v = tuple(str(x) for x in v)
         elif isinstance(v, float) and v != v:
             raise ConfigError(t.path, key, "must be a number, not NaN")
@@ -653,6 +661,18 @@ def _options(t: Table, managed: dict[str, str]) -> tuple[tuple[str, OptionValue]
                                                "a value may not start with '--'")
         out.append((k, v))
     return tuple(out)
+
+
+def _check_list_items(path: str, key: str, items: list[Any]) -> None:
+    """A list option renders as `--name a b c` (nargs='+'): SGLang's argparse takes a string
+    item starting with '-' as a flag of its own (["a", "-h"] made the server print its help
+    and exit), and a NUL cannot be passed to exec at all (an internal error at spawn)."""
+    for i, x in enumerate(items):
+        if isinstance(x, str) and "\x00" in x:
+            raise ConfigError(path, f"{key}[{i}]", "must not contain NUL characters")
+        if isinstance(x, str) and x.startswith("-"):
+            raise ConfigError(path, f"{key}[{i}]", f"value {x!r} would be read as a flag; "
+                                                  "an item of a list option may not start with '-'")
 
 
 def parse_context_length(path: str, key: str, value: Any) -> int:

@@ -294,6 +294,8 @@ class ClusterConfig:
     #: cluster/etcd.py), its password in a file (first line) that others cannot read
     user: str | None = None
     password_file: str | None = None
+    #: `insecure = true`: the operator's consent to etcd without TLS or login (config/cluster.py)
+    insecure: bool = False
 
 
 @dataclass(frozen=True)

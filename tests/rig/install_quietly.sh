@@ -22,6 +22,8 @@ units=$root/etc/systemd/system
 policy=$root/usr/sbin/policy-rc.d
 before=$(mktemp)
 after=$(mktemp)
+ours=
+restored=
 trap 'rm -f "$before" "$after"' EXIT
 find "$units" -type l 2>/dev/null | sort >"$before"
 
@@ -49,7 +51,40 @@ apt_update() {
     done
 }
 
-ours=
+restore() {  # once: our policy-rc.d gone, every unit link this install made disabled
+    [ -z "$restored" ] || return 0
+    restored=1
+    [ -z "$ours" ] || rm -f "$policy"
+    disable_new
+}
+
+disable_new() {
+    find "$units" -type l 2>/dev/null | sort >"$after"
+    # a link in a .wants/.requires directory is named after its unit; any other (an alias such as
+    # etcd2.service or smartd.service) points at it
+    enabled=$(comm -13 "$before" "$after" | while read -r link; do
+        case "$link" in
+            */*.wants/*|*/*.requires/*) basename "$link" ;;
+            *) basename "$(readlink "$link")" ;;
+        esac
+    done | sort -u)
+    how=--now
+    [ -d /run/systemd/system ] || how=--no-reload  # no systemd running: the links alone
+    [ -z "$root" ] || how=--root=$root
+    for unit in $enabled; do  # one at a time: a name systemctl does not know must not keep the others enabled
+        systemctl disable "$how" "$unit" >/dev/null 2>&1 || echo "install_quietly: could not disable $unit" >&2
+    done
+    left=$(find "$units" -type l 2>/dev/null | sort | comm -13 "$before" -)
+    [ -z "$left" ] || echo "install_quietly: links this install made that are still there:" $left >&2
+}
+
+# The host is put back however this ends: a normal end, an error, or INT/TERM/HUP mid-install
+# (a policy-rc.d left behind says "exit 101" to every later install: no service would start).
+# A signal waits for the command in the foreground (apt) to end, then runs restore and exits.
+trap 'restore; rm -f "$before" "$after"' EXIT
+trap 'exit 129' HUP
+trap 'exit 130' INT
+trap 'exit 143' TERM
 if [ ! -e "$policy" ]; then  # an existing one is the machine's: left as it is
     ours=1
     printf '#!/bin/sh\nexit 101\n' >"$policy"
@@ -57,23 +92,5 @@ if [ ! -e "$policy" ]; then  # an existing one is the machine's: left as it is
 fi
 apt_update && DEBIAN_FRONTEND=noninteractive "$apt" install -y -qq "-oDPkg::Lock::Timeout=$lock_wait" "$@" >/dev/null
 rc=$?
-[ -z "$ours" ] || rm -f "$policy"
-
-find "$units" -type l 2>/dev/null | sort >"$after"
-# a link in a .wants/.requires directory is named after its unit; any other (an alias such as
-# etcd2.service or smartd.service) points at it
-enabled=$(comm -13 "$before" "$after" | while read -r link; do
-    case "$link" in
-        */*.wants/*|*/*.requires/*) basename "$link" ;;
-        *) basename "$(readlink "$link")" ;;
-    esac
-done | sort -u)
-how=--now
-[ -d /run/systemd/system ] || how=--no-reload  # no systemd running: the links alone
-[ -z "$root" ] || how=--root=$root
-for unit in $enabled; do  # one at a time: a name systemctl does not know must not keep the others enabled
-    systemctl disable "$how" "$unit" >/dev/null 2>&1 || echo "install_quietly: could not disable $unit" >&2
-done
-left=$(find "$units" -type l 2>/dev/null | sort | comm -13 "$before" -)
-[ -z "$left" ] || echo "install_quietly: links this install made that are still there:" $left >&2
+restore
 exit "$rc"
