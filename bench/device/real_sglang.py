@@ -566,10 +566,10 @@ class Run:
         s["setup_s"] = round(time.time() - began, 1)
         self.gpu = Gpu(self.mode, self.work / "simgpu")
         if self.mode == "standin":
-            from supervisord_gpu.config.loader import load_daemon_config
-            from supervisord_gpu.rehearsal.setup import prepare
+            from supervisord_gpu.checks.gpus import inventory_for
+            from supervisord_gpu.config.loader import effective_config, load_daemon_config
 
-            prepare(load_daemon_config(self.etc))  # the simulated GPUs exist before anything reads them
+            inventory_for(effective_config(load_daemon_config(self.etc), True), simulated=True)  # the simulated GPUs exist before anything reads them
         s["gpu"] = self.gpu.info()
         used, pids = self.gpu.read()
         self.baseline = used
