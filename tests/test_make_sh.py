@@ -27,14 +27,14 @@ def unpacked(top: Path) -> Path:
     return tree
 
 
-def run_make_sh(tree: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    """`sh make.sh rehearse` with a `make` that only says it ran."""
+def run_make_sh(tree: Path, tmp_path: Path, target: str = "rehearse") -> subprocess.CompletedProcess[str]:
+    """`sh make.sh TARGET` with a `make` that only says it ran."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "make").write_text('#!/bin/sh\necho "make ran: $*"\n')
     (bin_dir / "make").chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    return subprocess.run(["sh", "make.sh", "rehearse"], cwd=tree, env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(["sh", "make.sh", target], cwd=tree, env=env, capture_output=True, text=True, timeout=60)
 
 
 def test_as_root_make_sh_takes_group_write_off_its_own_tree_and_says_so(tmp_path: Path) -> None:
@@ -75,4 +75,19 @@ def test_a_tree_of_another_user_is_named_and_left_alone(tmp_path: Path) -> None:
     r = run_make_sh(tree, tmp_path)
     assert r.returncode == 2 and "make ran" not in r.stdout, r.stdout + r.stderr
     assert f"these are not root's: {tree} (nobody); copy the tree to a directory of root's" in r.stderr, r.stderr
+    assert (tree / "make.sh").stat().st_mode & 0o777 == 0o664  # untouched
+
+
+def test_the_suite_still_runs_from_a_tree_the_rehearsal_refuses_and_leaves_another_users_tree_alone(tmp_path: Path) -> None:
+    """`sh make.sh test` from a checkout anywhere (the README's promise, and CI's clone): what
+    the rehearsal refuses (a user's tree, a directory above that others may write) is said as a
+    warning, make runs, and the user's files keep their modes."""
+    top = tmp_path / "shared"
+    top.mkdir(mode=0o777)
+    top.chmod(0o777)  # writable by others, not sticky
+    tree = unpacked(top)
+    os.chown(tree, 65534, 65534)  # nobody's
+    r = run_make_sh(tree, tmp_path, "test")
+    assert r.returncode == 0 and "make ran: --no-print-directory test" in r.stdout, r.stdout + r.stderr
+    assert f"these are not root's: {tree} (nobody)" in r.stderr and "may write, so as root the daemon" in r.stderr, r.stderr
     assert (tree / "make.sh").stat().st_mode & 0o777 == 0o664  # untouched
