@@ -61,6 +61,7 @@ FAST_MODULES = frozenset({
     "test_man_pages",
     "test_cli_defaults",
     "test_state_tables",
+    "test_admin_key_rules",
 })
 
 

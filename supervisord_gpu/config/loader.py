@@ -517,6 +517,8 @@ def _server(path: Path, name: str, data: Any, defaults: dict[str, Any], default_
         raise t.error("model_path", "must not be empty")
     common = _common(t, defaults, 900.0, 60.0)
     options = _options(t.table("options"), SERVER_MANAGED)
+    _check_admin_key_holds(path, key, options)
+    paused_warn = t.number("paused_warn", 300.0, lo=1.0, hi=7 * 86400)
     probe = _probe(t, _server_probe_defaults(options), server=True)
     env = default_env + _env(t.table("env"))
     where = cluster.placement(t, nodes, server=True)
@@ -536,10 +538,27 @@ def _server(path: Path, name: str, data: Any, defaults: dict[str, Any], default_
         probe=probe,
         start_timeout_s=common["start_timeout_s"],
         stop_timeout_s=common["stop_timeout_s"],
+        paused_warn_s=paused_warn,
         **where,
     )
     _check_parallelism(path, key, spec)
     return spec
+
+
+def _check_admin_key_holds(path: Path, key: str, options: tuple[tuple[str, OptionValue], ...]) -> None:
+    """Every server runs with an admin key of the daemon's making (sglang/admin_key.py): a profile
+    may not set its own, nor an option under which SGLang 0.5.23 would not check it."""
+    opts = dict(options)
+    if "admin-api-key" in opts:
+        raise ConfigError(path, f"{key}.options.admin-api-key", "is the daemon's own (a key per server, kept off "
+                          "the command line, where ps would show it); remove it from options")
+    workers = opts.get("tokenizer-worker-num")
+    if workers is not None and str(workers).strip() not in ("1", "1.0"):
+        raise ConfigError(path, f"{key}.options.tokenizer-worker-num", "SGLang 0.5.23 checks no API key with more "
+                          "than one tokenizer worker: its admin endpoints (/pause_generation, ...) would be open")
+    if "grpc-port" in opts:
+        raise ConfigError(path, f"{key}.options.grpc-port", "SGLang 0.5.23 refuses --grpc-port with an admin key "
+                          "(its gRPC listener bypasses the key check)")
 
 
 def _check_parallelism(path: Path, key: str, spec: ProcessSpec) -> None:

@@ -15,7 +15,7 @@ from ..records import dataclass
 from pathlib import Path
 from collections.abc import Mapping
 
-from ..sglang import router_key
+from ..sglang import admin_key, router_key
 from ..errors import ConfigError
 from ..sglang.caches import cache_environment
 from .model import DaemonConfig, OptionValue, ProcessSpec, Profile
@@ -48,12 +48,16 @@ class Launch:
     router_key: Path | None = None
     #: a router's workers as the profile names them: (url, worker_type); any other is foreign
     router_workers: tuple[tuple[str, str], ...] = ()
+    #: a server's admin key file (sglang/admin_key.py): read at spawn, never in `env` either
+    admin_key: Path | None = None
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
         env = {k: v for k, v in base.items() if k in PASSED_ENV or k.startswith("LC_")}
         env.update(self.env)
         if self.router_key is not None:
             env[router_key.KEY_ENV] = router_key.ensure_key(self.router_key)
+        if self.admin_key is not None:
+            env[admin_key.KEY_ENV] = router_key.ensure_key(self.admin_key)
         return env
 
 
@@ -137,6 +141,16 @@ def keyed_router(program: tuple[str, ...]) -> tuple[str, ...]:
     return wrapped
 
 
+def keyed_server(program: tuple[str, ...]) -> tuple[str, ...]:
+    """The server program wrapped so its admin key comes from the environment, not argv."""
+    wrapped = admin_key.shim_argv(program)
+    if not wrapped:
+        raise ConfigError("", "server_command", f"{' '.join(program)!r} is neither `PYTHON -m MODULE` nor "
+                          "`PYTHON SCRIPT.py`: the server's admin key can only reach it off its (world-readable) "
+                          "command line through Python")
+    return wrapped
+
+
 def router_program(cfg: DaemonConfig) -> tuple[str, ...]:
     """In rehearsal: the real sglang-router when installed (it runs on CPU), else the stand-in."""
     choice = cfg.rehearsal.router
@@ -168,13 +182,15 @@ def render(profile: Profile, cfg: DaemonConfig, rehearsal_env: Mapping[str, str]
         env += list(rehearsal_env.items()) if rehearsal_env is not None else []
         env += spec.env
         key: Path | None = None
+        admin: Path | None = None
         try:
             if spec.kind == "server":
                 # GPU indices in a profile are NVML's (nvidia-smi's), which follow the PCI bus; CUDA's
                 # default order is "fastest first", so without PCI_BUS_ID index 0 may be another card.
                 env[:0] = [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", ",".join(str(g) for g in spec.gpus))]
                 program = (sys.executable, *STANDIN_SERVER) if rehearsal_env is not None else cfg.sglang_command
-                argv = (*program, *server_args(spec))
+                argv = (*keyed_server(program), *server_args(spec))
+                admin = admin_key.key_path(cfg.runtime_dir, profile.name, spec.name)
             else:
                 program = router_program(cfg) if rehearsal_env is not None else cfg.router_command
                 argv = (*keyed_router(program), *router_args(spec, profile))
@@ -182,5 +198,5 @@ def render(profile: Profile, cfg: DaemonConfig, rehearsal_env: Mapping[str, str]
         except ConfigError as e:
             raise ConfigError(profile.path, e.key, e.problem) from None
         launches.append(Launch(spec, tuple(argv), tuple(env), spec.user, tmpdir, cache_root, key,
-                               router_workers(spec, profile) if key is not None else ()))
+                               router_workers(spec, profile) if key is not None else (), admin))
     return launches
