@@ -176,3 +176,22 @@ def test_the_shim_refuses_a_known_server_whose_redaction_is_missing(tmp_path: Pa
         repr(admin_key.REDACTION_MODULES), repr({"fakeserver": "no_such_redaction_module"})), "fakeserver"],
         env=env, capture_output=True, text=True, timeout=30)
     assert r.returncode != 0 and "no_such_redaction_module" in r.stderr and not r.stdout
+
+
+# --------------------------------------------------------------------------- status
+
+
+def test_status_shows_since_when_a_ready_server_has_not_been_serving() -> None:
+    import time
+
+    from supervisord_gpu.cli.status_view import render as status_text
+
+    since = 1_000_000.0
+    process = {"name": "alpha", "role": "regular", "pid": 4711, "port": 30100, "gpus": [0], "phase": "serving",
+               "phase_elapsed_s": 5.0, "restarts": 0, "state": "ready", "serving": False,
+               "not_serving_since": since}
+    data = {"at": since + 125, "gpus": None, "gpu_backend": "", "notes": [], "instances": [{
+        "unit": "dsv4@p.service", "active_state": "active", "sub_state": "", "since": 50.0, "result": "success",
+        "status_text": "", "last_status_text": "", "daemon": {"state": "ready", "reason": "", "processes": [process]}}]}
+    text = status_text(data, colour=False)
+    assert f"since {time.strftime('%H:%M:%S', time.localtime(since))} (2m05s)" in text, text

@@ -58,7 +58,9 @@ SERVER_SHIM = (
     "r and setattr(r, 'redact_watermark_secrets', lambda v, **kw: scrub(secrets(v, **kw))); "
     "r and setattr(r, 'redact_watermark_command_line', lambda *a, **kw: scrub(line(*a, **kw))); "
     "sys.argv += ['--admin-api-key', key]; "
-    "runpy.run_path(program, run_name='__main__') if program.endswith('.py') else "
+    "script = program.endswith('.py'); "
+    "script and sys.path.__setitem__(0, os.path.dirname(os.path.abspath(program))); "  # as `python SCRIPT.py`
+    "runpy.run_path(program, run_name='__main__') if script else "
     "runpy.run_module(program, run_name='__main__', alter_sys=True)"
 )  # one line: it shows in ps and in the journal's port-holder messages
 
