@@ -126,10 +126,12 @@ def test_normal_and_probe_routes_stay_as_they_were() -> None:
 
 FAKE_SERVER = """
 import json, sys
+from collections import namedtuple
+Point = namedtuple("Point", "host port")  # SGLang's resolved_dict keeps namedtuples as they are
 from fakeredact import redact_watermark_command_line, redact_watermark_secrets
 key = sys.argv[sys.argv.index("--admin-api-key") + 1]
 print(json.dumps({"argv_key": key,
-                  "server_info": redact_watermark_secrets({"admin_api_key": key, "nested": [key + " x"],
+                  "server_info": redact_watermark_secrets({"admin_api_key": key, "nested": [key + " x"], "point": Point(key, 1),
                                                            "watermark_key": "w"}),
                   "launch": redact_watermark_command_line(["launch", "--admin-api-key", key])}))
 """
