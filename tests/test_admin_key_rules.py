@@ -69,7 +69,7 @@ def test_one_tokenizer_worker_keeps_the_key_checked_and_is_accepted(tmp_path: Pa
 def test_render_gives_each_server_a_key_file_and_never_the_key(tmp_path: Path, capsys) -> None:
     cdir = config(tmp_path, one_server(free_ports(1)[0]))
     cfg = load_daemon_config(cdir)
-    (launch,) = render(load_profile(cfg, "p"), cfg, {})
+    (launch,) = render(load_profile(cfg, "p"), cfg)  # the real programs: what production runs
     assert launch.admin_key == admin_key.key_path(cfg.runtime_dir, "p", "alpha")
     assert not launch.admin_key.exists()  # rendering makes no key
     assert admin_key.SERVER_SHIM in launch.argv and "--admin-api-key" not in launch.argv
