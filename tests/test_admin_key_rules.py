@@ -46,7 +46,8 @@ def config(tmp_path: Path, text: str) -> Path:
 @pytest.mark.parametrize("option, words", [
     ('admin-api-key = "visible-in-ps"', "admin-api-key: is the daemon's own"),
     ("tokenizer-worker-num = 4", "tokenizer-worker-num: SGLang 0.5.23 checks no API key"),
-    ("grpc-port = 31001", "grpc-port: SGLang 0.5.23 refuses --grpc-port with an admin key"),
+    ("grpc-port = 31001", "grpc-port: SGLang 0.5.23's gRPC servers do not check the admin key"),
+    ("smg-grpc-mode = true", "smg-grpc-mode: SGLang 0.5.23's gRPC servers do not check the admin key"),
 ])
 def test_a_profile_that_sets_or_disarms_the_admin_key_is_exit_2_in_one_line(tmp_path: Path, capsys, option: str,
                                                                              words: str) -> None:
@@ -56,6 +57,14 @@ def test_a_profile_that_sets_or_disarms_the_admin_key_is_exit_2_in_one_line(tmp_
     assert code == 2 and len(err.splitlines()) == 1, err
     assert f"p.toml: servers.alpha.options.{words}" in err, err
     assert "visible-in-ps" not in err
+
+
+@pytest.mark.parametrize("name", ["SGLANG_RUST_SERVER", "SGLANG_GRPC_PORT"])
+def test_an_environment_that_replaces_sglangs_http_server_is_exit_2(tmp_path: Path, capsys, name: str) -> None:
+    cdir = config(tmp_path, one_server(free_ports(1)[0]) + f'[servers.alpha.env]\n{name} = "1"\n')
+    code = gpusupctl.main(["render", "--config-dir", str(cdir), "p"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and f"servers.alpha.env.{name}: replaces or bypasses" in err, err
 
 
 def test_one_tokenizer_worker_keeps_the_key_checked_and_is_accepted(tmp_path: Path) -> None:
