@@ -94,9 +94,14 @@ class Tap:
     def __init__(self, sink: Any) -> None:
         self.sink = sink
         self.events: list[tuple[str, int, dict[str, str]]] = []
+        self.lines: list[str] = []  # what the server printed, as the journal gets it
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.sink, name)
+
+    def child_line(self, *args: Any, **kwargs: Any) -> None:
+        self.lines.append(str(args[2]) if len(args) > 2 else str(kwargs.get("line")))
+        self.sink.child_line(*args, **kwargs)
 
     def event(self, message: str, priority: int = 6, **fields: str) -> None:
         self.events.append((message, priority, fields))
@@ -138,6 +143,7 @@ def test_the_key_is_nowhere_a_local_user_can_read_it(tmp_path: Path, cgroups: An
     """Not its file, not the server's command line or environment, not SGLang's /server_info."""
     (port,) = free_ports(1)
     instance, _ = make_instance(write_config(tmp_path, {"p": profile(port)}, cgroups.root, startup=0.2), "p")
+    tap = instance.processes["alpha"].sink = Tap(instance.processes["alpha"].sink)
 
     async def go() -> None:
         await instance.start()
@@ -160,7 +166,9 @@ def test_the_key_is_nowhere_a_local_user_can_read_it(tmp_path: Path, cgroups: An
         status, text = attack_as_nobody(port, "GET", "/server_info")
         info = json.loads(text)
         assert status == 200 and info["admin_api_key"] == admin_key.REDACTED, info.get("admin_api_key")
-        assert "--admin-api-key <redacted>" in info["launch_command"] and key not in text
+        assert "--admin-api-key=<redacted>" in info["launch_command"] and key not in text
+        journal = "".join(tap.lines)
+        assert "'admin_api_key': '<redacted>'" in journal and key not in journal  # the server_args= line
 
     asyncio.run(go())
 

@@ -134,15 +134,18 @@ def test_normal_and_probe_routes_stay_as_they_were() -> None:
 
 
 FAKE_SERVER = """
-import json, sys
+import argparse, json, sys
 from collections import namedtuple
 Point = namedtuple("Point", "host port")  # SGLang's resolved_dict keeps namedtuples as they are
 from fakeredact import redact_watermark_command_line, redact_watermark_secrets
-key = sys.argv[sys.argv.index("--admin-api-key") + 1]
+parser = argparse.ArgumentParser()  # as SGLang's: a value that begins with '-' must be --flag=value
+parser.add_argument("--admin-api-key")
+parser.add_argument("--port")
+key = parser.parse_args(sys.argv[1:]).admin_api_key
 print(json.dumps({"argv_key": key,
                   "server_info": redact_watermark_secrets({"admin_api_key": key, "nested": [key + " x"], "point": Point(key, 1),
                                                            "watermark_key": "w"}),
-                  "launch": redact_watermark_command_line(["launch", "--admin-api-key", key])}))
+                  "launch": redact_watermark_command_line(["launch", "--admin-api-key=" + key])}))
 """
 FAKE_REDACT = """
 def redact_watermark_secrets(value, *, in_watermark_config=False):
@@ -163,15 +166,16 @@ def run_shim(tmp_path: Path, key: str, module: str = "fakeserver") -> subprocess
         module, "--port", "1"], env=env, capture_output=True, text=True, timeout=30)
 
 
-def test_the_shim_hands_the_key_to_the_server_and_hides_it_where_sglang_would_print_it(tmp_path: Path) -> None:
-    key = "k" * 43
+@pytest.mark.parametrize("key", ["k" * 43, "-k" + "k" * 41])  # token_urlsafe may begin with '-'
+def test_the_shim_hands_the_key_to_the_server_and_hides_it_where_sglang_would_print_it(tmp_path: Path,
+                                                                                      key: str) -> None:
     r = run_shim(tmp_path, key)
     assert r.returncode == 0, r.stderr
     seen = json.loads(r.stdout)
     assert seen["argv_key"] == key  # the server got it, in its own argv
     assert key not in json.dumps(seen["server_info"]) + seen["launch"], seen
     assert seen["server_info"]["admin_api_key"] == "<redacted>" and seen["server_info"]["watermark_key"] == "<redacted>"
-    assert seen["launch"] == "launch --admin-api-key <redacted>"
+    assert seen["launch"] == "launch --admin-api-key=<redacted>"
 
 
 def test_the_shim_refuses_to_start_a_server_without_a_key(tmp_path: Path) -> None:

@@ -873,9 +873,11 @@ class StandinServer:
             self.log("ValueError: --model-path is required", ERROR)
             return 1
         self._create_ipc()
-        self.log(f"server_args=ServerArgs(model_path={a.model_path!r}, tp_size={a.tp_size}, dp_size={a.dp_size}, "
-                 f"host={a.host!r}, port={a.port}, disaggregation_mode={a.disaggregation_mode!r}, "
-                 f"base_gpu_id={a.base_gpu_id}, ...)  [stand-in]")
+        # engine.py:1185 logs redact_watermark_secrets(server_args.resolved_dict()): every field, keys included
+        shown = redaction.redact_watermark_secrets({k: getattr(a, k) for k in (
+            "model_path", "tp_size", "dp_size", "host", "port", "disaggregation_mode", "base_gpu_id", "api_key",
+            "admin_api_key")})
+        self.log(f"server_args={shown}  [stand-in: a few of the fields]")
         if self.model_path != a.model_path:
             self.log(f"stand-in: {a.model_path} is not on this machine; /server_info reports {self.model_path} "
                      "as model_path (a stand-in tokenizer, which the router loads instead of asking the hub)")

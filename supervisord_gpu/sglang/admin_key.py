@@ -58,7 +58,8 @@ SERVER_SHIM = (
     "secrets, line = (r.redact_watermark_secrets, r.redact_watermark_command_line) if r else (None, None); "
     "r and setattr(r, 'redact_watermark_secrets', lambda v, **kw: scrub(secrets(v, **kw))); "
     "r and setattr(r, 'redact_watermark_command_line', lambda *a, **kw: scrub(line(*a, **kw))); "
-    "sys.argv += ['--admin-api-key', key]; "
+    "sys.argv.append('--admin-api-key=' + key); "  # one token: a key may start with '-'
+
     "script = program.endswith('.py'); "
     "script and sys.path.__setitem__(0, os.path.dirname(os.path.abspath(program))); "  # as `python SCRIPT.py`
     "runpy.run_path(program, run_name='__main__') if script else "
