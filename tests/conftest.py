@@ -66,6 +66,7 @@ FAST_MODULES = frozenset({
     "test_cluster_consent",
     "test_cluster_credentials",
     "test_cli_logs",
+    "test_admin_key_rules",
 })
 
 

@@ -25,6 +25,7 @@ import pytest
 
 from supervisord_gpu.engine.states import State
 from supervisord_gpu.errors import StartError
+from supervisord_gpu.sglang.router_key import read_key
 from support import free_ports, make_instance, stop_process, write_config
 
 pytestmark = pytest.mark.slow
@@ -46,10 +47,11 @@ def one_server(port: int, env: dict[str, str] | None = None, extra: str = TIGHT,
         """
 
 
-def http(method: str, port: int, path: str, body: object = None, timeout: float = 60) -> int:
+def http(method: str, port: int, path: str, body: object = None, timeout: float = 60, key: str = "") -> int:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             r.read()
@@ -91,10 +93,11 @@ def test_a_server_paused_for_two_minutes_is_not_killed_and_serves_again_after_co
     async def go() -> tuple[list[bool], int, int, int]:
         await instance.start()
         pid = proc.pid
-        assert await asyncio.to_thread(http, "POST", port, "/pause_generation", {"mode": "in_place"}) == 200
+        key = read_key(proc.launch.admin_key)  # the admin endpoints are the key holder's alone
+        assert await asyncio.to_thread(http, "POST", port, "/pause_generation", {"mode": "in_place"}, key=key) == 200
         ready_while_paused = await asyncio.to_thread(http, "GET", port, "/ready")
         seen = await _hold_up(proc, 120, pid)  # 40x the bound a dead server gets
-        assert await asyncio.to_thread(http, "POST", port, "/continue_generation", {}) == 200
+        assert await asyncio.to_thread(http, "POST", port, "/continue_generation", {}, key=key) == 200
         health = await asyncio.to_thread(http, "GET", port, "/health")  # what the router's next check does
         await _until(lambda: proc.status().serving)
         generate = await asyncio.to_thread(http, "POST", port, "/generate", {"text": "hi"})

@@ -115,6 +115,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         out = [
             {"process": launch.spec.name, "role": launch.spec.role, "user": launch.user, "argv": list(launch.argv),
              "env": dict(launch.env), "after": list(launch.spec.after)}
+            | ({"admin_key": f"<admin key: {launch.admin_key}>"} if launch.admin_key else {})
             for launch in launches
         ]
         print(json.dumps({"profile": profile.name, "start_order": out, "stop_order": list(profile.stop_order),
@@ -128,6 +129,8 @@ def cmd_render(args: argparse.Namespace) -> int:
         print(f"\n[{i}] {launch.spec.name} ({launch.spec.role}){after}" + (f" as user {launch.user}" if launch.user else ""))
         for k, v in launch.env:
             print(f"    env {k}={shlex.quote(v)}")
+        if launch.admin_key is not None:  # made at spawn, passed in the environment: never printed
+            print(f"    env SUPERVISORD_GPU_ADMIN_KEY=<admin key: {launch.admin_key}>")
         print("    argv " + " ".join(shlex.quote(a) for a in launch.argv))
     print(f"\nstop order: {profile.describe_stop_order()}  (+ stops together)")
     return 0

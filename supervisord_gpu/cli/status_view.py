@@ -166,6 +166,8 @@ def render(data: dict[str, Any], colour: bool | None = None, width: int | None =
                     f"  {p['name'][:8]:<9}{p['role'][:7]:<8}{p['pid'] or '-':>8} {p['port']:>6} {_ranges(p['gpus']):<6}"
                     f"{phase[:19]:<20}{p['restarts']:>3}  {c(p['state'])}"
                     + ("  not serving (paused, latched by a failed /health, or draining)"
+                       + (f" since {time.strftime('%H:%M:%S', time.localtime(p['not_serving_since']))}"
+                          f" ({_ago(now - p['not_serving_since'])})" if p.get("not_serving_since") else "")
                        if p["state"] == "ready" and p.get("serving") is False else "")
                 )
                 if p.get("last_error") and p["state"] in ("failed", "restarting", "stopped"):

@@ -524,8 +524,10 @@ def _server(path: Path, name: str, data: Any, defaults: dict[str, Any], default_
         raise t.error("model_path", "must not be empty")
     common = _common(t, defaults, 900.0, 60.0)
     options = _options(t.table("options"), SERVER_MANAGED)
+    paused_warn = t.number("paused_warn", 300.0, lo=1.0, hi=7 * 86400)
     probe = _probe(t, _server_probe_defaults(options), server=True)
     env = default_env + _env(t.table("env"))
+    _check_admin_key_holds(path, key, options, env)
     where = cluster.placement(t, nodes, server=True)
     t.finish()
     spec = ProcessSpec(
@@ -543,10 +545,34 @@ def _server(path: Path, name: str, data: Any, defaults: dict[str, Any], default_
         probe=probe,
         start_timeout_s=common["start_timeout_s"],
         stop_timeout_s=common["stop_timeout_s"],
+        paused_warn_s=paused_warn,
         **where,
     )
     _check_parallelism(path, key, spec)
     return spec
+
+
+def _check_admin_key_holds(path: Path, key: str, options: tuple[tuple[str, OptionValue], ...],
+                           env: tuple[tuple[str, str], ...]) -> None:
+    """Every server runs with an admin key of the daemon's making (sglang/admin_key.py): a profile
+    may not set its own, nor an option under which SGLang 0.5.23 would not check it or would
+    show it (its HTTP server is the only one that checks; the server shim hides the key there)."""
+    opts = dict(options)
+    if "admin-api-key" in opts:
+        raise ConfigError(path, f"{key}.options.admin-api-key", "is the daemon's own (a key per server, kept off "
+                          "the command line, where ps would show it); remove it from options")
+    workers = opts.get("tokenizer-worker-num")
+    if workers is not None and str(workers).strip() not in ("1", "1.0"):
+        raise ConfigError(path, f"{key}.options.tokenizer-worker-num", "SGLang 0.5.23 checks no API key with more "
+                          "than one tokenizer worker: its admin endpoints (/pause_generation, ...) would be open")
+    for grpc in ("grpc-port", "smg-grpc-mode", "grpc-mode"):
+        if grpc in opts:
+            raise ConfigError(path, f"{key}.options.{grpc}", "SGLang 0.5.23's gRPC servers do not check the admin "
+                              "key (it refuses --grpc-port with one); only its HTTP server does")
+    for name, value in env:
+        if name in ("SGLANG_RUST_SERVER", "SGLANG_GRPC_PORT") and value.strip().lower() not in ("", "0", "false"):
+            raise ConfigError(path, f"{key}.env.{name}", "replaces or bypasses SGLang's HTTP server, the only one "
+                              "that checks the admin key (and the Rust one shows it in /server_info)")
 
 
 def _check_parallelism(path: Path, key: str, spec: ProcessSpec) -> None:

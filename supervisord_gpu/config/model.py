@@ -95,6 +95,8 @@ class ProcessSpec:
     start_timeout_s: float
     stop_timeout_s: float
     start_timeout_max_s: float = 14400.0
+    #: servers: not serving (/ready 503: paused, latched or draining) for longer than this is a warning
+    paused_warn_s: float = 300.0
     # router only
     router_mode: Literal["regular", "pd"] | None = None
     workers: tuple[str, ...] = ()

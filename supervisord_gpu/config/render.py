@@ -13,7 +13,7 @@ from ..records import dataclass
 from pathlib import Path
 from collections.abc import Mapping
 
-from ..sglang import router_key
+from ..sglang import admin_key, router_key
 from ..errors import ConfigError
 from ..sglang.caches import cache_environment
 from .model import DaemonConfig, OptionValue, ProcessSpec, Profile
@@ -58,12 +58,16 @@ class Launch:
     router_key: Path | None = None
     #: a router's workers as the profile names them: (url, worker_type); any other is foreign
     router_workers: tuple[tuple[str, str], ...] = ()
+    #: a server's admin key file (sglang/admin_key.py): read at spawn, never in `env` either
+    admin_key: Path | None = None
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
         env = {k: v for k, v in base.items() if k in PASSED_ENV or k.startswith("LC_")}
         env.update(self.env)
         if self.router_key is not None:
             env[router_key.KEY_ENV] = router_key.ensure_key(self.router_key)
+        if self.admin_key is not None:
+            env[admin_key.KEY_ENV] = router_key.ensure_key(self.admin_key)
         return env
 
 
@@ -147,6 +151,16 @@ def keyed_router(program: tuple[str, ...]) -> tuple[str, ...]:
     return wrapped
 
 
+def keyed_server(program: tuple[str, ...]) -> tuple[str, ...]:
+    """The server program wrapped so its admin key comes from the environment, not argv."""
+    wrapped = admin_key.shim_argv(program)
+    if not wrapped:
+        raise ConfigError("", "server_command", f"{' '.join(program)!r} is neither `PYTHON -m MODULE` nor "
+                          "`PYTHON SCRIPT.py`: the server's admin key can only reach it off its (world-readable) "
+                          "command line through Python")
+    return wrapped
+
+
 def user_environment(profile: Profile, spec: ProcessSpec) -> tuple[str, list[tuple[str, str]]]:
     """(account name, HOME/USER/LOGNAME) of the user a process runs as; an unknown user is a config error."""
     try:
@@ -171,17 +185,19 @@ def render(profile: Profile, cfg: DaemonConfig, programs: Programs | None = None
         env += programs.env
         env += spec.env
         key: Path | None = None
+        admin: Path | None = None
         try:
             if spec.kind == "server":
                 # GPU indices in a profile are NVML's (nvidia-smi's), which follow the PCI bus; CUDA's
                 # default order is "fastest first", so without PCI_BUS_ID index 0 may be another card.
                 env[:0] = [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", ",".join(str(g) for g in spec.gpus))]
-                argv = (*programs.server, *server_args(spec))
+                argv = (*keyed_server(programs.server), *server_args(spec))
+                admin = admin_key.key_path(cfg.runtime_dir, profile.name, spec.name)
             else:
                 argv = (*keyed_router(programs.router), *router_args(spec, profile))
                 key = router_key.key_path(cfg.runtime_dir, profile.name)
         except ConfigError as e:
             raise ConfigError(profile.path, e.key, e.problem) from None
         launches.append(Launch(spec, tuple(argv), tuple(env), spec.user, tmpdir, cache_root, key,
-                               router_workers(spec, profile) if key is not None else ()))
+                               router_workers(spec, profile) if key is not None else (), admin))
     return launches

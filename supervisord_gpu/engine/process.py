@@ -76,6 +76,8 @@ class ProcessStatus:
     last_error: str = ""
     #: ready, but SGLang's /ready says 503: paused, latched by a failed /health, or draining
     serving: bool = True
+    #: since when (time.time()) it has not been serving; None while it serves
+    not_serving_since: float | None = None
 
 
 class ManagedProcess:
@@ -102,6 +104,9 @@ class ManagedProcess:
         self.start_deadline: StartDeadline | None = None
         #: after ready: False while SGLang's /ready says 503 (paused, latched or draining)
         self.serving = True
+        #: when it stopped serving (time.time(), for status) and whether that was called too long
+        self.not_serving_since: float | None = None
+        self._not_serving_warned = False
         self.state = ProcessState.STOPPED
         self.spawned: Spawned | None = None
         self.phase = ""
@@ -195,6 +200,7 @@ class ManagedProcess:
             progress=self.progress_text,
             last_error=self.last_error,
             serving=self.serving,
+            not_serving_since=self.not_serving_since,
         )
 
     # ------------------------------------------------------------------ start
@@ -515,6 +521,7 @@ class ManagedProcess:
                     # a worker nobody in the profile named gets users' prompts: named and removed
                     await self.router_api().enforce(self.sink, self.name)
                 self._note_serving(verdict.serving, status)
+                self._warn_if_not_serving_too_long()
                 if verdict.kill:
                     self.signals_sent[signal.SIGKILL] = verdict.kill
                     self.sink.event(f"{self.name}: {verdict.kill}; killing its cgroup so the restart policy can "
@@ -525,12 +532,14 @@ class ManagedProcess:
             if asking is not None:
                 asking.cancel()
             self.serving = True
+            self.not_serving_since = None
 
     def _note_serving(self, serving: bool, status: int | None) -> None:
         """SGLang says it is up but not serving (/ready 503), or serves again: one journal line each."""
         if serving == self.serving:
             return
         self.serving = serving
+        self.not_serving_since, self._not_serving_warned = (None if serving else time.time()), False
         if not serving:
             self.sink.event(f"{self.name}: {self.spec.probe.liveness_path} answered {status}: not serving (paused, "
                             "latched by a failed /health, or draining); it answers, so it is left running",
@@ -538,6 +547,20 @@ class ManagedProcess:
         else:
             self.sink.event(f"{self.name}: serving again ({self.spec.probe.liveness_path} answered 200)", 6,
                             GPUSUP_PROCESS=self.name, GPUSUP_EVENT="serving")
+
+    def _warn_if_not_serving_too_long(self) -> None:
+        """Paused (or latched) for longer than the profile's paused_warn: anyone who reaches an admin
+        endpoint with the key, or an RL loop that died between pause and continue, left it so.
+        Nothing resumes it on our side (a weight sync may be under way); one warning says so."""
+        since = self.not_serving_since
+        if since is None or self._not_serving_warned or time.time() - since < self.spec.paused_warn_s:
+            return
+        self._not_serving_warned = True
+        at = time.strftime("%H:%M:%S", time.localtime(since))
+        self.sink.event(f"{self.name}: not serving since {at} ({time.time() - since:.0f} s, more than paused_warn "
+                        f"{self.spec.paused_warn_s:g} s): paused, latched by a failed /health, or draining; "
+                        "nothing resumes it but its own admin (POST /continue_generation with its admin key)",
+                        4, GPUSUP_PROCESS=self.name, GPUSUP_EVENT="not-serving-too-long")
 
     @property
     def exit_report(self) -> str:

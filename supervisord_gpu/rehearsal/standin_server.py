@@ -100,6 +100,13 @@ soon as HTTP is up; /generate is served from then on, also while draining. A "sc
     that failed during the pause stays until a /health succeeds (the real server on the H200:
     /ready 503 1 s and 5 s after continue, 200 after one /health).
  /metrics with --enable-metrics (sglang:num_running_reqs = requests in flight, num_queue_reqs 0).
+ Keys (srt/utils/auth.py, see standin_redaction.py): with --admin-api-key, every route SGLang marks
+    ADMIN_OPTIONAL (/pause_generation, /continue_generation, /flush_cache, /release_memory_occupation,
+    /slow_down, /update_weights_from_disk, ...) answers 401 {"error": "Unauthorized"} unless the
+    request carries `Authorization: Bearer KEY`; with --api-key alone they want that key; /health*,
+    /ready* and /metrics* are always open. Routes the stand-in does not imitate still answer 404
+    once the key is right. /server_info shows admin_api_key and the launch command as SGLang does
+    (only watermark secrets redacted), through standin_redaction's copies of SGLang's functions.
 
 Signals and the drain. SIGTERM's handler is installed lazily, by the first /generate (normally
 the warm-up's); before that SIGTERM has its default action: dead at once by signal 15, the
@@ -236,6 +243,7 @@ from supervisord_gpu.rehearsal._http import (
     write_raw,
 )
 from supervisord_gpu.sglang.options import SGLANG_VERSION, parse_args
+from supervisord_gpu.rehearsal import standin_redaction as redaction
 from supervisord_gpu.rehearsal.rendezvous import Rendezvous, RendezvousError
 
 #: what /server_info reports as model_path when --model-path is not on this machine (see above)
@@ -865,9 +873,11 @@ class StandinServer:
             self.log("ValueError: --model-path is required", ERROR)
             return 1
         self._create_ipc()
-        self.log(f"server_args=ServerArgs(model_path={a.model_path!r}, tp_size={a.tp_size}, dp_size={a.dp_size}, "
-                 f"host={a.host!r}, port={a.port}, disaggregation_mode={a.disaggregation_mode!r}, "
-                 f"base_gpu_id={a.base_gpu_id}, ...)  [stand-in]")
+        # engine.py:1185 logs redact_watermark_secrets(server_args.resolved_dict()): every field, keys included
+        shown = redaction.redact_watermark_secrets({k: getattr(a, k) for k in (
+            "model_path", "tp_size", "dp_size", "host", "port", "disaggregation_mode", "base_gpu_id", "api_key",
+            "admin_api_key")})
+        self.log(f"server_args={shown}  [stand-in: a few of the fields]")
         if self.model_path != a.model_path:
             self.log(f"stand-in: {a.model_path} is not on this machine; /server_info reports {self.model_path} "
                      "as model_path (a stand-in tokenizer, which the router loads instead of asking the hub)")
@@ -1790,7 +1800,8 @@ class StandinServer:
             "tokenizer_path": self.args.tokenizer_path or self.model_path,
             "served_model_name": self.served_model_name,
             "context_length": self.args.context_length,
-            "launch_command": " ".join([sys.executable, "-m", "sglang.launch_server", *self.argv]),
+            "launch_command": redaction.redact_watermark_command_line(
+                [sys.executable, "-m", "sglang.launch_server", *self.argv]),
             "status": status,
             "max_total_num_tokens": self.max_total_num_tokens,
             "max_req_input_len": self.context_len - 1,
@@ -1812,7 +1823,7 @@ class StandinServer:
             "stand_in_files": self.files(),
             "stand_in_mm_segments": self.live_mm_segments(),
         })
-        return info
+        return redaction.redact_watermark_secrets(info)  # http_server.py:880: admin_api_key stays in
 
     def running(self) -> int:
         with self.lock:
@@ -2046,13 +2057,25 @@ def _make_handler(app: StandinServer) -> type[JSONHandler]:
                 return
             self.send_json(*app.pause_generation(body if isinstance(body, dict) else {}))
 
+        def _refused(self) -> bool:
+            """SGLang's key check (auth.py), before any route: 401 {"error": "Unauthorized"}."""
+            status = redaction.refusal(self.command, self.path.split("?")[0], self.headers.get("Authorization"),
+                                       app.args.api_key, app.args.admin_api_key)
+            if status is not None:
+                if self.command == "POST":
+                    self.read_body()  # read, so closing the connection does not reset it under the answer
+                self.send_json(status, {"error": "Unauthorized"})
+            return status is not None
+
         def do_GET(self) -> None:
             with self.server.inflight:
-                self._get()
+                if not self._refused():
+                    self._get()
 
         def do_POST(self) -> None:
             with self.server.inflight:
-                self._post()
+                if not self._refused():
+                    self._post()
 
         def _get(self) -> None:
             self.dispatch({
