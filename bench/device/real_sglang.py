@@ -165,13 +165,17 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
 # ============================================================================ small tools
 
-def call(method: str, port: int, path: str, body: Any = None, timeout: float = 30.0, host: str = "127.0.0.1") -> tuple[int | None, bytes, float]:
-    """(status or None, body, seconds)."""
+def call(method: str, port: int, path: str, body: Any = None, timeout: float = 30.0, host: str = "127.0.0.1",
+         key: str | None = None) -> tuple[int | None, bytes, float]:
+    """(status or None, body, seconds). `key`: sent as `Authorization: Bearer` (a server's admin key)."""
     began = time.monotonic()
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         data = json.dumps(body).encode() if body is not None else None
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data is not None else {})
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        conn.request(method, path, body=data, headers=headers)
         resp = conn.getresponse()
         payload = resp.read()
         return resp.status, payload, time.monotonic() - began
@@ -179,6 +183,14 @@ def call(method: str, port: int, path: str, body: Any = None, timeout: float = 3
         return None, repr(e).encode(), time.monotonic() - began
     finally:
         conn.close()
+
+
+def admin_key() -> str | None:
+    """The admin key the daemon made for the server on SERVER_PORT (every server gets one:
+    sglang/admin_key.py), newest first: the pause and continue below are the operator's, who
+    reads it as root from RUNTIME_DIR/INSTANCE/server.admin.key."""
+    keys = sorted(Path("/tmp").glob("rsg-*/run/*/server.admin.key"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return keys[0].read_text().strip() if keys else None
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
@@ -994,7 +1006,7 @@ def s3_pause(run: Run, c: Check, m: dict[str, Any], d: Daemon) -> None:
     try:
         _s3_pause(run, c, m, d)
     finally:  # never leave the server paused for the scenarios after this one
-        call("POST", SERVER_PORT, "/continue_generation", {}, timeout=10)
+        call("POST", SERVER_PORT, "/continue_generation", {}, timeout=10, key=admin_key())
 
 
 def _s3_pause(run: Run, c: Check, m: dict[str, Any], d: Daemon) -> None:
@@ -1002,7 +1014,10 @@ def _s3_pause(run: Run, c: Check, m: dict[str, Any], d: Daemon) -> None:
     main, sched, _pids, _g = run.server_pids(d)
     restarts0 = d.process("server").get("restarts")
     since = time.time()
-    s, body, t = call("POST", SERVER_PORT, "/pause_generation", {}, timeout=30)
+    s, body, _ = call("POST", SERVER_PORT, "/pause_generation", {}, timeout=30)
+    m["pause_without_key"] = (s, body[:120].decode(errors="replace"))
+    c("a pause without the server's admin key is refused (401)", s == 401, m["pause_without_key"])
+    s, body, t = call("POST", SERVER_PORT, "/pause_generation", {}, timeout=30, key=admin_key())
     m["pause"] = (s, body[:120].decode(errors="replace"), round(t, 3))
     c("POST /pause_generation answered 200", s == 200, m["pause"])
     samples = []
@@ -1040,7 +1055,7 @@ def _s3_pause(run: Run, c: Check, m: dict[str, Any], d: Daemon) -> None:
     c("the scheduler answers /server_info while paused (the daemon's scheduler check relies on it)",
       bool(info_answers) and all(x["status"] == 200 for x in info_answers), info_answers)
     t_cont = time.time()
-    s, body, t = call("POST", SERVER_PORT, "/continue_generation", {}, timeout=30)
+    s, body, t = call("POST", SERVER_PORT, "/continue_generation", {}, timeout=30, key=admin_key())
     m["continue"] = (s, body[:120].decode(errors="replace"), round(t, 3))
     c("POST /continue_generation answered 200", s == 200, m["continue"])
     r0, _, _ = call("GET", SERVER_PORT, "/ready", timeout=3)
@@ -1062,7 +1077,7 @@ def s3_latch(run: Run, c: Check, m: dict[str, Any], d: Daemon) -> None:
     try:
         _s3_latch(run, c, m, d)
     finally:  # never leave it paused or latched for the scenarios after this one
-        call("POST", SERVER_PORT, "/continue_generation", {}, timeout=10)
+        call("POST", SERVER_PORT, "/continue_generation", {}, timeout=10, key=admin_key())
         if call("GET", SERVER_PORT, "/ready", timeout=3)[0] == 503:
             call("GET", SERVER_PORT, "/health", timeout=30)
 
@@ -1078,11 +1093,11 @@ def _s3_latch(run: Run, c: Check, m: dict[str, Any], d: Daemon) -> None:
     main, sched, _pids, _g = run.server_pids(d)
     restarts0 = d.process("server").get("restarts")
     since = time.time()
-    s, _, _ = call("POST", SERVER_PORT, "/pause_generation", {}, timeout=30)
+    s, _, _ = call("POST", SERVER_PORT, "/pause_generation", {}, timeout=30, key=admin_key())
     c("paused", s == 200, s)
     hs, _, ht = call("GET", SERVER_PORT, "/health", timeout=30)
     m["health_during_pause"] = (hs, round(ht, 2))
-    s, _, _ = call("POST", SERVER_PORT, "/continue_generation", {}, timeout=30)
+    s, _, _ = call("POST", SERVER_PORT, "/continue_generation", {}, timeout=30, key=admin_key())
     t_cont = time.time()
     c("continued", s == 200, s)
     after = []
