@@ -535,6 +535,7 @@ def _server(path: Path, name: str, data: Any, defaults: dict[str, Any], default_
         after=common["after"] or (),
         probe=probe,
         start_timeout_s=common["start_timeout_s"],
+        start_timeout_max_s=common["start_timeout_max_s"],
         stop_timeout_s=common["stop_timeout_s"],
         **where,
     )
@@ -613,6 +614,7 @@ def _router(path: Path, data: Any, servers: list[ProcessSpec], defaults: dict[st
         after=common["after"] if common["after"] is not None else fronted,
         probe=probe,
         start_timeout_s=common["start_timeout_s"],
+        start_timeout_max_s=common["start_timeout_max_s"],
         stop_timeout_s=common["stop_timeout_s"],
         router_mode=mode,
         workers=workers,

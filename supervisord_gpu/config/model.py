@@ -90,11 +90,12 @@ class ProcessSpec:
     user: str | None
     after: tuple[str, ...]
     probe: Probe
-    #: a start with no progress fails after start_timeout_s; each progress (a line, a `\r`
-    #: update) extends it to start_stall_timeout after that progress, up to start_timeout_max_s
+    #: a start with no progress fails after start_timeout_s; each progress (a phase line, a
+    #: progress-bar update) extends it to start_stall_timeout after that progress, up to
+    #: start_timeout_max_s. No default: a constructor that forgot it gave every process 4 h.
     start_timeout_s: float
     stop_timeout_s: float
-    start_timeout_max_s: float = 14400.0
+    start_timeout_max_s: float
     # router only
     router_mode: Literal["regular", "pd"] | None = None
     workers: tuple[str, ...] = ()
