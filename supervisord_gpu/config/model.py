@@ -92,10 +92,10 @@ class ProcessSpec:
     probe: Probe
     #: a start with no progress fails after start_timeout_s; each progress (a phase line, a
     #: progress-bar update) extends it to start_stall_timeout after that progress, up to
-    #: start_timeout_max_s. No default: a constructor that forgot it gave every process 4 h.
+    #: start_timeout_max_s (the loader passes it: once forgotten, every process had the 4 h default)
     start_timeout_s: float
     stop_timeout_s: float
-    start_timeout_max_s: float
+    start_timeout_max_s: float = 14400.0
     # router only
     router_mode: Literal["regular", "pd"] | None = None
     workers: tuple[str, ...] = ()
