@@ -121,3 +121,25 @@ def test_access_log_lines_are_not_start_up_progress():
     assert is_access_log('[2026-12-01 10:00:00] INFO:     127.0.0.1:47052 - "GET /health HTTP/1.1" 503 Service Unavailable')
     assert is_access_log('2026-12-01 09:44:42 ERROR http_request{method=GET uri=/readiness version=HTTP/1.1} request failed')
     assert not is_access_log("[2026-12-01 10:00:00 TP0] Load weight begin. avail mem=139.22 GB")
+
+
+def test_start_up_progress_is_the_servers_phases_and_bars_never_a_requests_echo():
+    """Anyone who connects makes the server print: a method the routes do not know, a path that
+    spells a phase, garbage. Were those progress, a stranger would keep a hung start alive."""
+    from supervisord_gpu.sglang.logs import is_start_progress
+
+    for own in ("[2026-12-01 10:00:00 TP0] Load weight begin. avail mem=139.22 GB",
+                "[2026-12-01 10:00:00] Capture target decode CUDA graph begin. This can take up to several minutes.",
+                "[2026-12-01 10:00:00] INFO:     Uvicorn running on http://127.0.0.1:30000 (Press CTRL+C to quit)",
+                BAR.format(p=20, n=1),
+                "Capturing batches (bs=64 avail_mem=20.1 GB):  30%|███       | 3/10 [00:01<00:02,  3.1it/s]",
+                "DeepGEMM warmup: 12it [00:04,  3.00it/s]"):
+        assert is_start_progress(own), own
+    for theirs in ('[2026-12-01 10:00:00] INFO:     127.0.0.1:47052 - "TRACE /x HTTP/1.1" 405 Method Not Allowed',
+                   'INFO:     127.0.0.1:47052 - "GET /DeepGEMM HTTP/1.1" 404 Not Found',
+                   'INFO:     127.0.0.1:47052 - "TRACE /max_total_num_tokens=1 HTTP/1.1" 405 Method Not Allowed',
+                   'INFO:     127.0.0.1:47052 - "BREW /Load%20weight%20begin HTTP/1.0" 501 Not Implemented',
+                   "[2026-12-01 10:00:00] WARNING:  Invalid HTTP request received.",
+                   "[2026-12-01 10:00:00] Using default chat template",  # the server's own, but no progress
+                   ""):
+        assert not is_start_progress(theirs), theirs

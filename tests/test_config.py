@@ -312,3 +312,11 @@ def test_a_scheduler_is_given_sglangs_own_watchdog_time_before_it_counts_as_hung
     assert launches["prefill"].spec.probe.scheduler_timeout_s == 900
     assert launches["decode"].spec.probe.scheduler_timeout_s == 300
     assert launches["router"].spec.probe.scheduler_path is None
+
+
+def test_start_timeout_max_reaches_each_process_from_its_table_or_the_defaults(tmp_path):
+    """It was read and checked, then dropped: every process had the 4 h default."""
+    text = "[defaults]\nstart_timeout_max = 1800\n" + GOOD.replace('role = "decode"', 'role = "decode"\nstart_timeout_max = 3600')
+    cdir = setup_dir(tmp_path, text)
+    profile = load_profile(load_daemon_config(cdir), "p")
+    assert {p.name: p.start_timeout_max_s for p in profile.processes} == {"prefill": 1800, "decode": 3600, "router": 1800}

@@ -218,6 +218,7 @@ def bare_controller(**attrs):  # type: ignore[no-untyped-def]
     c.profile = SimpleNamespace(name="pd")
     c.jobs = {}
     c._stop_job = None
+    c._restarting = None
     c.stop_requested = asyncio.Event()
     for k, v in attrs.items():
         setattr(c, k, v)

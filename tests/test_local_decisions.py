@@ -607,3 +607,48 @@ def test_a_stop_while_making_room_stops_the_instance_before_anything_started(mac
     ctl = controller(machine, instance, transition=FakeTransition(lambda: waiting().wait()))
     assert run_until(ctl, instance, "prepare", ctl.request_stop) == EXIT_OK
     assert instance.log == ["prepare", "stopped while making room"]
+
+
+def test_a_stop_during_a_restart_cancels_its_start_is_answered_at_once_and_exits_0(machine: Machine) -> None:
+    """A D-Bus Stop while a Restart job's start waits for the servers to load: the start is
+    cancelled (what had started is stopped), the stop's job is done at once, the daemon exits 0.
+    It used to wait for the whole restart (14.5 s, or forever for a start that hangs)."""
+    starts: list[int] = []
+
+    async def the_restarts_start_hangs() -> None:
+        starts.append(1)
+        if len(starts) > 1:
+            await asyncio.Event().wait()
+
+    instance = FakeInstance(the_restarts_start_hangs)
+    ctl = controller(machine, instance)
+
+    async def scenario() -> tuple[int, Any, Any, float]:
+        life = asyncio.ensure_future(ctl.run())
+        for _ in range(1000):
+            if instance.state == State.READY:
+                break
+            await asyncio.sleep(0.001)
+        restart = ctl.submit("restart", ctl.restart)
+        for _ in range(1000):
+            if len(starts) == 2:
+                break
+            await asyncio.sleep(0.001)
+        assert len(starts) == 2, instance.log
+        asked = asyncio.get_running_loop().time()
+        stop = ctl.request_stop()
+        done, _ = await asyncio.wait({life}, timeout=3)
+        if not done:
+            pytest.fail(f"the stop waited for the restart; the instance did: {instance.log}")
+        for _ in range(100):  # the restart's job ends in the same turn of the loop or the next
+            if restart.state != "running":
+                break
+            await asyncio.sleep(0.001)
+        return life.result(), restart, stop, asyncio.get_running_loop().time() - asked
+
+    code, restart, stop, took = asyncio.run(scenario())
+    assert code == EXIT_OK and took < 1.0
+    assert stop.state == "done"
+    assert (restart.state, restart.reason) == ("failed", "cancelled: a stop was requested during the restart")
+    assert instance.log[-2:] == ["start cancelled", "stop: stop requested"], instance.log
+    assert instance.cancel_reason == "stopped while restarting"

@@ -90,8 +90,9 @@ class ProcessSpec:
     user: str | None
     after: tuple[str, ...]
     probe: Probe
-    #: a start with no progress fails after start_timeout_s; each progress (a line, a `\r`
-    #: update) extends it to start_stall_timeout after that progress, up to start_timeout_max_s
+    #: a start with no progress fails after start_timeout_s; each progress (a phase line, a
+    #: progress-bar update) extends it to start_stall_timeout after that progress, up to
+    #: start_timeout_max_s (the loader passes it: once forgotten, every process had the 4 h default)
     start_timeout_s: float
     stop_timeout_s: float
     start_timeout_max_s: float = 14400.0

@@ -61,6 +61,8 @@ class InstanceController:
         self.jobs: dict[int, Job] = {}
         self._stop_job: Job | None = None  # D-Bus Stop's job: one per life, done once stopped
         self._verb = asyncio.Lock()  # one verb at a time: a D-Bus Restart never interleaves with a stop
+        #: a restart's start, while it runs: a stop cancels it rather than wait for the servers to load
+        self._restarting: asyncio.Future[Outcome] | None = None
         self._ended: asyncio.Future[int] | None = None  # the exit code, once the instance's life is over
 
     # ------------------------------------------------------------------ start
@@ -154,10 +156,26 @@ class InstanceController:
         return outcome
 
     async def restart(self) -> Outcome:
-        """Stop every process, then the whole start path again (not a shortcut around it)."""
+        """Stop every process, then the whole start path again (not a shortcut around it).
+
+        A stop asked for meanwhile (SIGTERM, D-Bus Stop) wins: during the restart's own stop it
+        waits for that stop (a stop is what it asks for), and the start is not begun; during the
+        start, the start is cancelled as a stop while starting cancels it (what had started is
+        stopped), so the stop is answered in its stop budget, not after the servers loaded."""
         async with self._verb:
             await self.instance.stop("restart requested")
-            outcome = await self._start()
+            if self.stop_requested.is_set():
+                return Outcome.failed("not started again: a stop was requested during the restart")
+            starting = self._restarting = asyncio.ensure_future(self._start())
+            try:
+                outcome = await starting
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # this restart itself is cancelled, not by a stop
+                return Outcome.failed("cancelled: a stop was requested during the restart")
+            finally:
+                self._restarting = None
         if not outcome.ok:
             self._end(outcome.exit_code or EXIT_GAVE_UP)
         return outcome
@@ -183,6 +201,9 @@ class InstanceController:
         if self._stop_job is None:
             self._stop_job = self._keep(Job("stop"))
         self.stop_requested.set()
+        if self._restarting is not None and not self._restarting.done():
+            self.instance.cancel_reason = "stopped while restarting" + self._taken_over_by()
+            self._restarting.cancel()
         return self._stop_job
 
     # ------------------------------------------------------------------ jobs (the D-Bus verbs)

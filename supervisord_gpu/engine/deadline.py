@@ -9,7 +9,8 @@ beginning. A start that prints nothing, though, is stuck whatever the clock says
 So (the rule systemd's window follows too, api/notify.py):
 
 * `start_timeout` bounds a start that shows no progress at all;
-* each progress (a log line, a `\\r` progress-bar update, a phase) moves the deadline to
+* each progress (a phase line, a progress-bar update; never a request's echo, which anyone
+  who connects can cause: sglang/logs.is_start_progress) moves the deadline to
   `start_stall_timeout` after it, if that is later; a profile whose `start_timeout` is
   shorter than that asks for a quick verdict, so then the shorter one counts after each
   progress too (`min(start_timeout, start_stall_timeout)`);

@@ -364,7 +364,8 @@ class Instance:
             if not verdict.allowed:
                 await self._give_up(proc, f"{proc.name} {proc.last_exit}; {verdict.refusal}")
                 return
-            self._set_state(InstanceState.DEGRADED, f"{proc.name} restarting ({verdict.attempt}/{policy.max_restarts})")
+            self._set_state(InstanceState.DEGRADED, f"{proc.name} restarting ({verdict.attempt}/{policy.max_restarts}): "
+                                                    f"{proc.last_exit}")
             proc.await_restart(verdict)
             self.sink.event(
                 f"{proc.name}: {proc.exit_report}; restart {verdict.attempt}/{policy.max_restarts} in {verdict.delay_s:g} s",
@@ -376,12 +377,18 @@ class Instance:
             await proc.stop(timeout=0.0)  # nothing of the dead one may linger (orphaned schedulers)
             await asyncio.sleep(verdict.delay_s)
             await self._bring_back(proc, workers, "crash")
-        except StartError:
-            # it died again before it was ready: one more crash, through the same policy
+        except StartError as e:
+            # it died again before it was ready, or never became ready: one more crash, through the
+            # same policy. Why it failed (a stranger on its port, named) is what the journal, STATUS=
+            # and the final reason say; not our own SIGTERM of what was left of it.
+            why = f"not ready after its restart: {str(e).splitlines()[0].removeprefix(f'{proc.name}: ')}"
+            self.sink.event(f"{proc.name}: restart failed: {e}", 3, GPUSUP_PROCESS=proc.name,
+                            GPUSUP_EVENT="restart-failed")
             self._restart_tasks.pop(proc.name, None)
             proc.on_unexpected_exit = None
             await proc.stop(timeout=0.0)
             proc.on_unexpected_exit = self._on_unexpected_exit
+            proc.note_failed_restart(why)
             self._on_unexpected_exit(proc)
         finally:
             if self._restart_tasks.get(proc.name) is asyncio.current_task():

@@ -120,8 +120,8 @@ class ManagedProcess:
         self.history: collections.deque[Readiness] = collections.deque(maxlen=50)
         self.exit_code: int | None = None
         self.exited_at: float | None = None  # monotonic time the main process was reaped
-        #: monotonic time of the last output of any kind (a line, or a `\r` progress update):
-        #: "making progress" for the start timeout
+        #: monotonic time of its last start-up progress (a phase line, or a progress bar; see
+        #: sglang/logs.is_start_progress): "making progress" for the start timeout
         self.last_output_at: float | None = None
         self.progress_text = ""
         self._progress_stream = ""
@@ -258,8 +258,8 @@ class ManagedProcess:
             self.tmpdir.clear()
 
     async def _pump(self, stream: asyncio.StreamReader, name: str) -> None:
-        """Forward what the child prints; every line and `\r` progress update of it is progress
-        (but the access log, which echoes our own probes)."""
+        """Forward what the child prints; its phase lines and progress bars are start-up progress
+        (never a request's echo: anyone who connects makes it print those)."""
         splitter = OutputSplitter()
         while True:
             raw = await stream.read(READ_CHUNK)
@@ -276,7 +276,7 @@ class ManagedProcess:
     def _on_line(self, raw: str, stream: str) -> None:
         line = phases.strip_ansi(raw)
         priority = phases.priority_of(line)
-        if not phases.is_access_log(line):  # our own probes echoed back are not progress
+        if phases.is_start_progress(line):  # a phase or a bar; never a request's echo (anyone's)
             self.last_output_at = time.monotonic()
         self.tail.append(line)
         if stream == self._progress_stream:
@@ -292,7 +292,8 @@ class ManagedProcess:
         """A redrawn progress bar: shown in status at once, in the journal every PROGRESS_LOG_S."""
         text = phases.strip_ansi(raw).strip()
         self.progress_text, self._progress_stream = text[:200], stream
-        self.last_output_at = time.monotonic()
+        if phases.is_start_progress(text):
+            self.last_output_at = time.monotonic()
         now = time.monotonic()
         if now - self._progress_logged_at >= PROGRESS_LOG_S:
             self._progress_logged_at = now
@@ -664,6 +665,12 @@ class ManagedProcess:
         if self.tmpdir is not None:
             removed += self.tmpdir.clear()
         return removed
+
+    def note_failed_restart(self, why: str) -> None:
+        """A restart that never became ready, now stopped: `last_exit` says why it failed (the
+        holder of its port, its deadline), not how we then stopped what was left of it; "killed
+        by SIGTERM (stopped by the supervisor)" would blame us for what a stranger did."""
+        self.last_exit = why
 
     def mark_failed(self, why: str) -> None:
         """The instance gave up on it; `last_exit` keeps saying how it ended."""

@@ -78,12 +78,29 @@ def is_reason(line: str) -> bool:
 # request spans: the echo of requests (our own probes among them), not a sign of start-up progress
 # uvicorn's complaints about what a client sent ("Invalid HTTP request received.") are written by
 # whoever connects: a neighbour sending garbage would otherwise extend a hung start for hours
-_ACCESS = re.compile(r'"(?:GET|POST|PUT|DELETE|HEAD|PATCH|OPTIONS) \S+ HTTP/\d(?:\.\d)?" \d{3}|http_request\{method='
+# Any method (an HTTP token), not a list of the usual ones: a stranger's `TRACE /x` is echoed as
+# '"TRACE /x HTTP/1.1" 405' too, and a path may spell a phase ("GET /DeepGEMM").
+_ACCESS = re.compile(r'"[!#$%&\'*+.^_`|~0-9A-Za-z-]+ \S* HTTP/\d(?:\.\d)?" \d{3}|http_request\{method='
                      r'|Invalid HTTP request received|Unsupported upgrade request|No supported WebSocket library')
 
 
 def is_access_log(line: str) -> bool:
     return _ACCESS.search(line) is not None
+
+
+# tqdm's bars ("Capturing batches (bs=64): 30%|███ | 3/10 [...]", SGLang's "... 50% Completed | 1/2 [...]",
+# a bar without a total: "5it [00:01, 3.20it/s]")
+_BAR = re.compile(r"\d%|\d+/\d+ \[|\dit \[|(?:it/s|s/it)\]")
+
+
+def is_start_progress(line: str) -> bool:
+    """Whether a line (or a `\\r` update) is the server's own start-up progress: a phase line or a
+    progress bar, never the echo of a request. Anyone who can connect makes the server print
+    (an access line, uvicorn's complaint about garbage, SGLang's request log): were that
+    progress, a stranger's requests would keep a hung start alive up to start_timeout_max."""
+    if is_access_log(line):
+        return False
+    return _ANY.search(line) is not None or _BAR.search(line) is not None
 
 
 def strip_ansi(line: str) -> str:
