@@ -183,3 +183,21 @@ def test_a_failed_restart_names_the_stranger_who_took_the_port(tmp_path, cgroups
     failed = [m for m, f in journal if f.get("GPUSUP_EVENT") == "restart-failed"]
     assert len(failed) == 2 and all(holder in m for m in failed), journal
     assert cgroups.all_pids() == []
+
+
+def test_a_stranger_on_a_prefills_bootstrap_port_fails_its_start_named(tmp_path, cgroups, strangers) -> None:
+    """SGLang binds the PD bootstrap port in a thread and only logs a failure: with nobody on that
+    port, the prefill still answers /health 200, and the decode would ask nobody where its KV cache
+    goes. The start fails instead, naming nobody's pid; the prefill is never ready."""
+    port, boot = free_ports(2)
+    text = one_server(port, f'role = "prefill"\n        [servers.alpha.options]\n        disaggregation-bootstrap-port = {boot}\n'
+                            '        disaggregation-transfer-backend = "mooncake"')
+    cdir = write_config(tmp_path, {"p": text}, cgroups.root, startup=0.5)
+    instance, _ = make_instance(cdir, "p")
+    squatter = as_nobody(SQUATTER, boot)
+    strangers.append(squatter)
+    assert squatter.stdout is not None and squatter.stdout.readline() == "bound\n"
+    message, _took = start_within(instance, 25)
+    first = message.splitlines()[0]
+    assert f"bootstrap port 127.0.0.1:{boot} is held by pid {squatter.pid}" in first, first
+    assert instance.state == State.FAILED and cgroups.all_pids() == []

@@ -358,6 +358,22 @@ class ManagedProcess:
                 "refusing to report ready (it would send our traffic to them)"))
         return own.ours
 
+    async def _check_bootstrap_listener(self) -> bool:
+        """A prefill's bootstrap port held by its own cgroup? Raises StartError naming a stranger.
+
+        SGLang binds the PD bootstrap port early, in a thread, and only logs a failure; the server
+        then answers /health 200 all the same. Whoever took the port meanwhile would be the
+        bootstrap server the decode and the router ask where each request's KV cache goes. So a
+        prefill is ready only once its bootstrap port is held from its own cgroup."""
+        spec = self.spec
+        assert spec.bootstrap_port is not None
+        own = await asyncio.to_thread(listener_ownership, spec.host, spec.bootstrap_port, self._pids())
+        if own.strangers:
+            raise StartError(self._failure(
+                f"bootstrap port {spec.host}:{spec.bootstrap_port} is held by {own.describe_foreign()} while {self.name} "
+                "is starting; refusing to report ready (the decode would ask them where to send its KV cache)"))
+        return own.ours
+
     async def _listeners(self) -> ListenerOwnership:
         """Who listens on its port now, against the processes in its own cgroup."""
         return await asyncio.to_thread(listener_ownership, self.spec.host, self.spec.port, self._pids())
@@ -416,6 +432,8 @@ class ManagedProcess:
             result = await self._probe_unless_exited(host)
             status = result.status if result else None
             ours = await self._check_listener() if result and result.connected else False
+            if status == 200 and ours and spec.bootstrap_port is not None:
+                ours = await self._check_bootstrap_listener()
             if status == 200 and ours and spec.kind == "router":
                 # the router's own /readiness counts any healthy worker; ours counts the profile's,
                 # and removes anyone else's first (engine/traffic.py, RouterWorkers.enforce)
