@@ -39,7 +39,7 @@ from supervisord_gpu.controller.outcome import Outcome
 from supervisord_gpu.controller.registry import Record
 from supervisord_gpu.controller.transition import LocalTransition
 from supervisord_gpu.engine.states import State
-from supervisord_gpu.errors import EXIT_OK, PreconditionError, StartError, SupervisorError
+from supervisord_gpu.errors import EXIT_GAVE_UP, EXIT_OK, EXIT_PRECONDITIONS, PreconditionError, StartError, SupervisorError
 from supervisord_gpu.sglang.flags import FlagCheck
 from support import free_ports
 
@@ -652,3 +652,40 @@ def test_a_stop_during_a_restart_cancels_its_start_is_answered_at_once_and_exits
     assert (restart.state, restart.reason) == ("failed", "cancelled: a stop was requested during the restart")
     assert instance.log[-2:] == ["start cancelled", "stop: stop requested"], instance.log
     assert instance.cancel_reason == "stopped while restarting"
+
+
+@pytest.mark.parametrize(("error", "code"), [
+    (StartError("server: exited during start-up (exit code 1)"), EXIT_GAVE_UP),
+    (PreconditionError("refusing to start: port 127.0.0.1:30001 is held by pid 4711"), EXIT_PRECONDITIONS),
+], ids=["failed-start-is-6", "refusal-stays-3"])
+def test_a_restart_asked_for_over_the_bus_that_fails_ends_the_daemon_with_a_final_code(machine: Machine, error: SupervisorError,
+                                                                                       code: int) -> None:
+    """A D-Bus Restart whose start fails: the daemon exits with a code systemd does not retry
+    (RestartPreventExitStatus=2 3 5 6). A start that failed is 6, the instance gave up; exit 1
+    would have had systemd load every server again into the same failure. A refusal keeps its own
+    code (3: something holds the GPUs or ports)."""
+    starts: list[int] = []
+
+    async def the_restarts_start_fails() -> None:
+        starts.append(1)
+        if len(starts) > 1:
+            raise error
+
+    instance = FakeInstance(the_restarts_start_fails)
+    ctl = controller(machine, instance)
+
+    async def scenario() -> tuple[int, Any]:
+        life = asyncio.ensure_future(ctl.run())
+        for _ in range(1000):
+            if instance.state == State.READY:
+                break
+            await asyncio.sleep(0.001)
+        job = ctl.submit("restart", ctl.restart)
+        done, _ = await asyncio.wait({life}, timeout=3)
+        if not done:
+            pytest.fail(f"the daemon went on after a failed restart: {instance.log}")
+        return life.result(), job
+
+    exit_code, job = asyncio.run(scenario())
+    assert exit_code == code
+    assert job.state in ("failed", "refused") and job.reason.startswith(str(error).split(":")[0])

@@ -26,13 +26,19 @@ from typing import Any
 from ..config.model import DaemonConfig, Profile
 from ..engine.instance import Instance
 from ..engine.states import State
-from ..errors import EXIT_GAVE_UP, EXIT_OK, Busy, PreconditionError, StartError, SupervisorError, TakeoverFailed
+from ..errors import (EXIT_GAVE_UP, EXIT_OK, EXIT_PRECONDITIONS, EXIT_TAKEOVER_FAILED, EXIT_USAGE, Busy, PreconditionError,
+                      StartError, SupervisorError, TakeoverFailed)
 from ..checks.preconditions import Requirement
 from .backends import Backends
 from .lock import TransitionLock
 from .outcome import Job, Outcome
 from .preflight import validate
 from .transition import Transition
+
+#: exit codes the unit tells systemd not to retry (a bad profile, a refusal, a failed takeover):
+#: a restart that ends so keeps its code; any other failure of a restart asked for over D-Bus is
+#: EXIT_GAVE_UP, final too, never 1, which systemd would retry by loading every server again
+FINAL_EXITS = frozenset({EXIT_USAGE, EXIT_PRECONDITIONS, EXIT_TAKEOVER_FAILED})
 
 #: (message, syslog priority, GPUSUP_EVENT=) to the journal: "transition", "rollback", "job"
 Say = Callable[[str, int, str], None]
@@ -176,8 +182,8 @@ class InstanceController:
                 return Outcome.failed("cancelled: a stop was requested during the restart")
             finally:
                 self._restarting = None
-        if not outcome.ok:
-            self._end(outcome.exit_code or EXIT_GAVE_UP)
+        if not outcome.ok:  # final either way: the unit's RestartPreventExitStatus=2 3 5 6
+            self._end(outcome.exit_code if outcome.exit_code in FINAL_EXITS else EXIT_GAVE_UP)
         return outcome
 
     async def restart_process(self, name: str) -> Outcome:
