@@ -121,3 +121,66 @@ def test_access_log_lines_are_not_start_up_progress():
     assert is_access_log('[2026-12-01 10:00:00] INFO:     127.0.0.1:47052 - "GET /health HTTP/1.1" 503 Service Unavailable')
     assert is_access_log('2026-12-01 09:44:42 ERROR http_request{method=GET uri=/readiness version=HTTP/1.1} request failed')
     assert not is_access_log("[2026-12-01 10:00:00 TP0] Load weight begin. avail mem=139.22 GB")
+
+
+# The stranger's side of the port: raw requests with the methods uvicorn answers, sent as nobody.
+_STRANGER = """
+import socket, sys
+for method, path in (("TRACE", "/x"), ("CONNECT", "/x"), ("PROPFIND", "/x"), ("foo", "/x"), ("GET", "/DeepGEMM"),
+                     ("GET", "/max_total_num_tokens=")):
+    s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+    s.sendall(f"{method} {path} HTTP/1.1\\r\\nHost: a\\r\\n\\r\\n".encode())
+    s.settimeout(5)
+    s.recv(1000)
+    s.close()
+"""
+
+_UVICORN = """
+import sys, uvicorn
+async def app(scope, receive, send):
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 405, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="info")
+"""
+
+
+def test_a_strangers_requests_to_a_starting_server_are_neither_progress_nor_a_phase():
+    """Hostile read of #37: a hung start whose HTTP port is up (SGLang's warm-up) must fail at its
+    stall bound, whatever a neighbour sends. uvicorn logs every method it answers (TRACE,
+    PROPFIND, any token under h11), and the path is the client's: each of its lines is the
+    access log (no progress), none names a phase."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import pytest
+
+    from supervisord_gpu.sglang.logs import is_access_log
+
+    pytest.importorskip("uvicorn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-c", _UVICORN, str(port)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None, "uvicorn did not start"
+                time.sleep(0.1)
+        nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"] if os.geteuid() == 0 else []
+        subprocess.run([*nobody, "/usr/bin/python3", "-I", "-c", _STRANGER, str(port)], check=True, timeout=30)
+    finally:
+        server.terminate()
+        out, _ = server.communicate(timeout=20)
+    echoed = [line for line in out.splitlines() if "127.0.0.1:" in line and " - " in line]
+    assert len(echoed) == 6, out
+    assert [line for line in echoed if not is_access_log(line)] == []
+    assert [line for line in echoed if phase_of(line) is not None] == []

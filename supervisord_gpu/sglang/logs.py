@@ -78,7 +78,10 @@ def is_reason(line: str) -> bool:
 # request spans: the echo of requests (our own probes among them), not a sign of start-up progress
 # uvicorn's complaints about what a client sent ("Invalid HTTP request received.") are written by
 # whoever connects: a neighbour sending garbage would otherwise extend a hung start for hours
-_ACCESS = re.compile(r'"(?:GET|POST|PUT|DELETE|HEAD|PATCH|OPTIONS) \S+ HTTP/\d(?:\.\d)?" \d{3}|http_request\{method='
+# Any method: uvicorn (httptools and h11 alike) answers and logs TRACE, CONNECT, PROPFIND and
+# h11 any token at all ("foo /x"); a list of the usual seven let a neighbour's `TRACE /x` every
+# few seconds keep a hung start "making progress" until start_timeout_max (hostile read, #37).
+_ACCESS = re.compile(r'"[!#$%&\'*+.^_`|~0-9A-Za-z-]+ \S+ HTTP/\d(?:\.\d)?" \d{3}|http_request\{method='
                      r'|Invalid HTTP request received|Unsupported upgrade request|No supported WebSocket library')
 
 
@@ -92,8 +95,9 @@ def strip_ansi(line: str) -> str:
 
 
 def phase_of(line: str) -> str | None:
-    """The phase a log line (or a progress update) announces, or None for ordinary lines."""
-    if _ANY.search(line) is None:
+    """The phase a log line (or a progress update) announces, or None for ordinary lines and
+    for the access log: its path is the client's (`GET /DeepGEMM` is no compile phase)."""
+    if _ANY.search(line) is None or is_access_log(line):
         return None
     for pattern, phase in _RULES:
         if pattern.search(line):
