@@ -184,3 +184,23 @@ def test_a_strangers_requests_to_a_starting_server_are_neither_progress_nor_a_ph
     assert len(echoed) == 6, out
     assert [line for line in echoed if not is_access_log(line)] == []
     assert [line for line in echoed if phase_of(line) is not None] == []
+
+
+def test_once_the_http_port_is_up_only_the_servers_own_phase_lines_are_progress():
+    """SGLang 0.5.23 prints these for anyone's request (http_server.py:805, :973, :792); before
+    uvicorn's start line only the server can write, and every line of it counts."""
+    from supervisord_gpu.sglang.logs import is_start_up_progress, opens_http
+
+    assert opens_http("[2026-12-01 10:00:00] INFO:     Uvicorn running on http://127.0.0.1:30000 (Press CTRL+C to quit)")
+    anyones = (
+        "[2026-12-01 10:00:01] Endpoint '/get_model_info' is deprecated and will be removed in a future version. "
+        "Please use '/model_info' instead.",
+        "[2026-12-01 10:00:01] [http_server] Error: max_new_tokens must be at least 0",
+        "[2026-12-01 10:00:01] Health check failed. Server couldn't get a response from detokenizer for last 20 seconds.",
+        "[2026-12-01 10:00:01 TP0] Prefill batch, #new-seq: 1, #new-token: 7, #cached-token: 0",
+    )
+    for line in anyones:
+        assert is_start_up_progress(line, http_open=False), line  # loading: the server's own words
+        assert not is_start_up_progress(line, http_open=True), line
+    assert is_start_up_progress("[2026-12-01 10:00:02 TP0] DeepGEMM JIT compiling kernel 3/40", http_open=True)
+    assert is_start_up_progress("[2026-12-01 10:00:03] The server is fired up and ready to roll!", http_open=True)

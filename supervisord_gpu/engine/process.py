@@ -127,6 +127,7 @@ class ManagedProcess:
         self._progress_stream = ""
         self._progress_logged_at = 0.0
         self.last_error = ""  # the last error-looking line it printed
+        self._http_open = False  # its HTTP port is up: anyone's requests can make it print
         self.markers_seen: set[str] = set()  # exits.SELF_KILL_MARKERS / BIND_FAILED_MARKER it printed
         self.signals_sent: dict[int, str] = {}  # the signals we sent it, and why
         uid, gid = _ids_of(launch.user)
@@ -218,6 +219,7 @@ class ManagedProcess:
         self.phase_durations = {}
         self.progress_text = self.last_error = ""
         self.markers_seen = set()
+        self._http_open = False  # until uvicorn says so, only the server itself writes
         self.signals_sent = {}
         if again == "crash":
             self.crash_restarts.started += 1
@@ -276,7 +278,8 @@ class ManagedProcess:
     def _on_line(self, raw: str, stream: str) -> None:
         line = phases.strip_ansi(raw)
         priority = phases.priority_of(line)
-        if not phases.is_access_log(line):  # our own probes echoed back are not progress
+        self._http_open = self._http_open or phases.opens_http(line)
+        if phases.is_start_up_progress(line, self._http_open):  # not requests echoed back (anyone's)
             self.last_output_at = time.monotonic()
         self.tail.append(line)
         if stream == self._progress_stream:

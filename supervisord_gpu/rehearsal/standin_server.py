@@ -2084,12 +2084,18 @@ def _make_handler(app: StandinServer) -> type[JSONHandler]:
                 "/ready": lambda: self.send_empty(app.ready_status()),
                 "/v1/models": self._models,
                 "/model_info": lambda: self.send_json(200, app.model_info()),
-                "/get_model_info": lambda: self.send_json(200, app.model_info()),
+                "/get_model_info": self._deprecated_model_info,
                 "/server_info": lambda: self.send_json(200, app.server_info()),
                 "/get_server_info": lambda: self.send_json(200, app.server_info()),
                 "/v1/loads": self._loads, "/metrics": self._metrics,
                 "/flush_cache": lambda: self.send_text(200, "Cache flushed.\n"),
             })
+
+        def _deprecated_model_info(self) -> None:
+            """http_server.py:805: anyone's GET /get_model_info writes a WARNING line (not the access log)."""
+            app.log("Endpoint '/get_model_info' is deprecated and will be removed in a future version. "
+                    "Please use '/model_info' instead.", WARNING)
+            self.send_json(200, app.model_info())
 
         def _post(self) -> None:
             self.dispatch({

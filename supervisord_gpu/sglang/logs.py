@@ -89,6 +89,29 @@ def is_access_log(line: str) -> bool:
     return _ACCESS.search(line) is not None
 
 
+# uvicorn's start line: from here on anyone who reaches the port can make the server print.
+_HTTP_OPEN = re.compile(r"Uvicorn running on")
+
+
+def opens_http(line: str) -> bool:
+    """The server's HTTP port is up (SGLang starts uvicorn, then warms up through it)."""
+    return _HTTP_OPEN.search(line) is not None
+
+
+def is_start_up_progress(line: str, http_open: bool) -> bool:
+    """Whether a finished line moves a start's stall deadline.
+
+    Before the HTTP port is up only the server writes (every line but the access log counts:
+    loading prints much that no rule names). Once it is up, SGLang 0.5.23 prints lines for
+    anyone's requests: `GET /get_model_info` logs a deprecation WARNING, a bad /generate an
+    `[http_server] Error: ...`, /health_generate on a stuck scheduler "Health check failed", a
+    /generate the scheduler's batch lines. So from then on only a phase line counts: a
+    neighbour's requests every few seconds kept a hung warm-up "starting" for hours (#37)."""
+    if is_access_log(line):
+        return False
+    return not http_open or phase_of(line) is not None
+
+
 def strip_ansi(line: str) -> str:
     """The text without terminal escape sequences (the router colours its lines even in a pipe)."""
     return _ANSI.sub("", line) if "\x1b" in line else line

@@ -1,0 +1,94 @@
+"""A neighbour's requests do not keep a hung start alive (hostile read of issue #37).
+
+SGLang opens its HTTP port before its warm-up, and from then on anyone who reaches the port
+makes it print: uvicorn's access line for any method, and SGLang's own lines for some routes
+(`GET /get_model_info` logs a deprecation warning, http_server.py:805). Counted as start-up
+progress, a request every few seconds kept a warm-up that never ends "starting" until
+start_timeout_max (hours by default). Here the stranger is `nobody`, the server the stand-in
+(which logs that warning as SGLang does), the warm-up hung (fault never-ready).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisord_gpu.errors import StartError
+from support import free_ports, make_instance, write_config
+
+SETPRIV = shutil.which("setpriv")
+
+#: every 0.3 s until killed: one request SGLang logs itself, one uvicorn logs as TRACE
+STRANGER = r"""
+import socket, sys, time
+port = int(sys.argv[1])
+while True:
+    for line in (b"GET /get_model_info HTTP/1.1", b"TRACE /x HTTP/1.1"):
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=2)
+            s.sendall(line + b"\r\nHost: a\r\nConnection: close\r\n\r\n")
+            s.recv(4096)
+            s.close()
+        except OSError:
+            pass
+    time.sleep(0.3)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or SETPRIV is None, reason="needs root and setpriv (util-linux)")
+def test_a_hung_warm_up_fails_at_its_stall_bound_whatever_a_stranger_requests(tmp_path: Path, cgroups: Any) -> None:
+    (port,) = free_ports(1)
+    text = f"""
+        [servers.alpha]
+        gpus = [0]
+        port = {port}
+        model_path = "/m"
+        start_timeout = 2
+        start_timeout_max = 120
+        [servers.alpha.env]
+        SUPERVISORD_GPU_STANDIN_FAULT = "never-ready"
+        """
+    cdir = write_config(tmp_path, {"p": text}, cgroups.root, startup=0.2, daemon_extra="start_stall_timeout = 2")
+    instance, _ = make_instance(cdir, "p")
+    assert SETPRIV is not None
+    stranger = subprocess.Popen([SETPRIV, "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-I",
+                                 "-c", STRANGER, str(port)], cwd="/")
+    lines: list[str] = []
+    proc = instance.processes["alpha"]
+    sink = proc.sink
+
+    class Tap:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(sink, name)
+
+        def child_line(self, *args: Any, **kwargs: Any) -> None:
+            lines.append(str(args[2]))
+            sink.child_line(*args, **kwargs)
+
+    proc.sink = Tap()
+
+    async def go() -> float:
+        began = time.monotonic()
+        with pytest.raises(StartError):
+            await asyncio.wait_for(instance.start(), 90)
+        return time.monotonic() - began
+
+    try:
+        took = asyncio.run(go())
+    finally:
+        stranger.kill()
+        stranger.wait()
+        asyncio.run(instance.stop())
+    # the stranger was heard, by both ways, while it started
+    assert any("'/get_model_info' is deprecated" in line for line in lines), lines[-20:]
+    assert any('"TRACE /x HTTP/1.1"' in line for line in lines), lines[-20:]
+    # start_timeout 2 s, then 2 s of stall after the server's own last line: far below 120
+    assert took < 20, f"a stranger kept the hung start alive for {took:.1f} s"
