@@ -195,12 +195,18 @@ def test_once_the_http_port_is_up_only_the_servers_own_phase_lines_are_progress(
     anyones = (
         "[2026-12-01 10:00:01] Endpoint '/get_model_info' is deprecated and will be removed in a future version. "
         "Please use '/model_info' instead.",
-        "[2026-12-01 10:00:01] [http_server] Error: max_new_tokens must be at least 0",
         "[2026-12-01 10:00:01] Health check failed. Server couldn't get a response from detokenizer for last 20 seconds.",
         "[2026-12-01 10:00:01 TP0] Prefill batch, #new-seq: 1, #new-token: 7, #cached-token: 0",
     )
     for line in anyones:
         assert is_start_up_progress(line, http_open=False), line  # loading: the server's own words
         assert not is_start_up_progress(line, http_open=True), line
+    # the rid of a request is the client's, and SGLang echoes it (tokenizer_manager.py:3836) while
+    # a hung warm-up holds the first one: neither progress nor a phase, port open or not
+    echo = "[2026-12-01 10:00:01] [http_server] Error: Duplicate request ID detected: The server is fired up and ready to roll!"
+    logged = "[2026-12-01 10:00:01] Receive: obj=GenerateReqInput(text='Load weight begin', rid='x')"
+    bad = "[2026-12-01 10:00:01] [http_server] Error: max_new_tokens must be at least 0"
+    for line in (echo, logged, bad):
+        assert phase_of(line) is None and not is_start_up_progress(line, http_open=True), line
     assert is_start_up_progress("[2026-12-01 10:00:02 TP0] DeepGEMM JIT compiling kernel 3/40", http_open=True)
     assert is_start_up_progress("[2026-12-01 10:00:03] The server is fired up and ready to roll!", http_open=True)

@@ -81,8 +81,12 @@ def is_reason(line: str) -> bool:
 # Any method: uvicorn (httptools and h11 alike) answers and logs TRACE, CONNECT, PROPFIND and
 # h11 any token at all ("foo /x"); a list of the usual seven let a neighbour's `TRACE /x` every
 # few seconds keep a hung start "making progress" until start_timeout_max (hostile read, #37).
+# SGLang's own echoes of a request carry the client's words: "[http_server] Error: Duplicate
+# request ID detected: RID" (the rid is the client's: "The server is fired up and ready to roll!"
+# would read as a phase), and --log-requests' "Receive: obj=..." / "Finish: obj=...".
 _ACCESS = re.compile(r'"[!#$%&\'*+.^_`|~0-9A-Za-z-]+ \S+ HTTP/\d(?:\.\d)?" \d{3}|http_request\{method='
-                     r'|Invalid HTTP request received|Unsupported upgrade request|No supported WebSocket library')
+                     r'|Invalid HTTP request received|Unsupported upgrade request|No supported WebSocket library'
+                     r'|\[http_server\] |^(?:\[[^\]]*\]\s*)?(?:Receive|Finish): ')
 
 
 def is_access_log(line: str) -> bool:
