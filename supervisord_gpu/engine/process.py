@@ -284,7 +284,7 @@ class ManagedProcess:
         self.tail.append(line)
         if stream == self._progress_stream:
             self.progress_text = ""  # the bar finished (or a line ended it)
-        if priority <= 3:
+        if priority <= 3 and not phases.is_access_log(line):  # a request's echo holds the client's words
             if phases.is_reason(line):
                 self.last_error = phases.message_of(line)[:300]
             self.markers_seen.update(m for m in exits.MARKERS if m in line)

@@ -1847,6 +1847,13 @@ class StandinServer:
             delay = self.settings.token_s * float(sp.get("max_new_tokens") or 16)
         started = time.monotonic()
         rid_value = body.get("rid")
+        if isinstance(rid_value, list):  # a batch's rids: tokenizer_manager.py:3836 refuses a repeat
+            seen: set[str] = set()
+            for one in map(str, rid_value):
+                if one in seen:
+                    self.log(f"[http_server] Error: Duplicate request ID detected: {one}", ERROR)
+                    return 400, {"error": {"message": f"Duplicate request ID detected: {one}"}}
+                seen.add(one)
         rid = rid_value if isinstance(rid_value, str) and rid_value else f"{random.getrandbits(64):032x}"
         req = Request(rid, started + max(0.0, delay))
         with self.lock:
