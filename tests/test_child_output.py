@@ -143,3 +143,94 @@ def test_start_up_progress_is_the_servers_phases_and_bars_never_a_requests_echo(
                    "[2026-12-01 10:00:00] Using default chat template",  # the server's own, but no progress
                    ""):
         assert not is_start_progress(theirs), theirs
+
+
+# The stranger's side of the port: raw requests with the methods uvicorn answers, sent as nobody.
+_STRANGER = """
+import socket, sys
+for method, path in (("TRACE", "/x"), ("CONNECT", "/x"), ("PROPFIND", "/x"), ("foo", "/x"), ("GET", "/DeepGEMM"),
+                     ("GET", "/max_total_num_tokens=")):
+    s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+    s.sendall(f"{method} {path} HTTP/1.1\\r\\nHost: a\\r\\n\\r\\n".encode())
+    s.settimeout(5)
+    s.recv(1000)
+    s.close()
+"""
+
+_UVICORN = """
+import sys, uvicorn
+async def app(scope, receive, send):
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 405, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="info")
+"""
+
+
+def test_a_strangers_requests_to_a_starting_server_are_neither_progress_nor_a_phase():
+    """Hostile read of #37: a hung start whose HTTP port is up (SGLang's warm-up) must fail at its
+    stall bound, whatever a neighbour sends. uvicorn logs every method it answers (TRACE,
+    PROPFIND, any token under h11), and the path is the client's: each of its lines is the
+    access log (no progress), none names a phase."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import pytest
+
+    from supervisord_gpu.sglang.logs import is_access_log
+
+    pytest.importorskip("uvicorn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-c", _UVICORN, str(port)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None, "uvicorn did not start"
+                time.sleep(0.1)
+        nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"] if os.geteuid() == 0 else []
+        subprocess.run([*nobody, "/usr/bin/python3", "-I", "-c", _STRANGER, str(port)], check=True, timeout=30)
+    finally:
+        server.terminate()
+        out, _ = server.communicate(timeout=20)
+    echoed = [line for line in out.splitlines() if "127.0.0.1:" in line and " - " in line]
+    assert len(echoed) == 6, out
+    assert [line for line in echoed if not is_access_log(line)] == []
+    assert [line for line in echoed if phase_of(line) is not None] == []
+
+
+def test_once_the_http_port_is_up_only_the_servers_own_phase_lines_are_progress():
+    """SGLang 0.5.23 prints these for anyone's request (http_server.py:805, :973, :792); before
+    uvicorn's start line only the server can write, and every line of it counts."""
+    from supervisord_gpu.sglang.logs import is_start_progress, opens_http
+
+    assert opens_http("[2026-12-01 10:00:00] INFO:     Uvicorn running on http://127.0.0.1:30000 (Press CTRL+C to quit)")
+    anyones = (
+        "[2026-12-01 10:00:01] Endpoint '/get_model_info' is deprecated and will be removed in a future version. "
+        "Please use '/model_info' instead.",
+        "[2026-12-01 10:00:01] Health check failed. Server couldn't get a response from detokenizer for last 20 seconds.",
+        "[2026-12-01 10:00:01 TP0] Prefill batch, #new-seq: 1, #new-token: 7, #cached-token: 0",
+    )
+    for line in anyones:
+        assert is_start_progress(line, http_open=False), line  # loading: the server's own words
+        assert not is_start_progress(line, http_open=True), line
+    # the rid of a request is the client's, and SGLang echoes it (tokenizer_manager.py:3836) while
+    # a hung warm-up holds the first one: neither progress nor a phase, port open or not
+    echo = "[2026-12-01 10:00:01] [http_server] Error: Duplicate request ID detected: The server is fired up and ready to roll!"
+    logged = "[2026-12-01 10:00:01] Receive: obj=GenerateReqInput(text='Load weight begin', rid='x')"
+    bad = "[2026-12-01 10:00:01] [http_server] Error: max_new_tokens must be at least 0"
+    zmq = "[2026-12-01 10:00:01 TP0] Malformed ABORT message: invalid room field 'Load weight begin'"
+    assert not is_start_progress(zmq, http_open=False), zmq  # a neighbour's words, even while loading
+    for line in (echo, logged, bad, zmq):
+        assert phase_of(line) is None and not is_start_progress(line, http_open=True), line
+    assert is_start_progress("[2026-12-01 10:00:02 TP0] DeepGEMM JIT compiling kernel 3/40", http_open=True)
+    assert is_start_progress("[2026-12-01 10:00:03] The server is fired up and ready to roll!", http_open=True)

@@ -120,13 +120,14 @@ class ManagedProcess:
         self.history: collections.deque[Readiness] = collections.deque(maxlen=50)
         self.exit_code: int | None = None
         self.exited_at: float | None = None  # monotonic time the main process was reaped
-        #: monotonic time of its last start-up progress (a phase line, or a progress bar; see
-        #: sglang/logs.is_start_progress): "making progress" for the start timeout
+        #: monotonic time of its last start-up progress (any line of its own while loading, a phase
+        #: line or a bar once its HTTP port is up; never a request's echo: sglang/logs.is_start_progress)
         self.last_output_at: float | None = None
         self.progress_text = ""
         self._progress_stream = ""
         self._progress_logged_at = 0.0
         self.last_error = ""  # the last error-looking line it printed
+        self._http_open = False  # its HTTP port is up: anyone's requests can make it print
         self.markers_seen: set[str] = set()  # exits.SELF_KILL_MARKERS / BIND_FAILED_MARKER it printed
         self.signals_sent: dict[int, str] = {}  # the signals we sent it, and why
         uid, gid = _ids_of(launch.user)
@@ -218,6 +219,7 @@ class ManagedProcess:
         self.phase_durations = {}
         self.progress_text = self.last_error = ""
         self.markers_seen = set()
+        self._http_open = False  # until uvicorn says so, only the server itself writes
         self.signals_sent = {}
         if again == "crash":
             self.crash_restarts.started += 1
@@ -276,12 +278,13 @@ class ManagedProcess:
     def _on_line(self, raw: str, stream: str) -> None:
         line = phases.strip_ansi(raw)
         priority = phases.priority_of(line)
-        if phases.is_start_progress(line):  # a phase or a bar; never a request's echo (anyone's)
+        self._http_open = self._http_open or phases.opens_http(line)
+        if phases.is_start_progress(line, self._http_open):  # never a request's echo (anyone's)
             self.last_output_at = time.monotonic()
         self.tail.append(line)
         if stream == self._progress_stream:
             self.progress_text = ""  # the bar finished (or a line ended it)
-        if priority <= 3:
+        if priority <= 3 and not phases.is_access_log(line):  # a request's echo holds the client's words
             if phases.is_reason(line):
                 self.last_error = phases.message_of(line)[:300]
             self.markers_seen.update(m for m in exits.MARKERS if m in line)
@@ -292,7 +295,7 @@ class ManagedProcess:
         """A redrawn progress bar: shown in status at once, in the journal every PROGRESS_LOG_S."""
         text = phases.strip_ansi(raw).strip()
         self.progress_text, self._progress_stream = text[:200], stream
-        if phases.is_start_progress(text):
+        if phases.is_start_progress(text, self._http_open):
             self.last_output_at = time.monotonic()
         now = time.monotonic()
         if now - self._progress_logged_at >= PROGRESS_LOG_S:

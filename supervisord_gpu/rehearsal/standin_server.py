@@ -1847,6 +1847,13 @@ class StandinServer:
             delay = self.settings.token_s * float(sp.get("max_new_tokens") or 16)
         started = time.monotonic()
         rid_value = body.get("rid")
+        if isinstance(rid_value, list):  # a batch's rids: tokenizer_manager.py:3836 refuses a repeat
+            seen: set[str] = set()
+            for one in map(str, rid_value):
+                if one in seen:
+                    self.log(f"[http_server] Error: Duplicate request ID detected: {one}", ERROR)
+                    return 400, {"error": {"message": f"Duplicate request ID detected: {one}"}}
+                seen.add(one)
         rid = rid_value if isinstance(rid_value, str) and rid_value else f"{random.getrandbits(64):032x}"
         req = Request(rid, started + max(0.0, delay))
         with self.lock:
@@ -2084,12 +2091,18 @@ def _make_handler(app: StandinServer) -> type[JSONHandler]:
                 "/ready": lambda: self.send_empty(app.ready_status()),
                 "/v1/models": self._models,
                 "/model_info": lambda: self.send_json(200, app.model_info()),
-                "/get_model_info": lambda: self.send_json(200, app.model_info()),
+                "/get_model_info": self._deprecated_model_info,
                 "/server_info": lambda: self.send_json(200, app.server_info()),
                 "/get_server_info": lambda: self.send_json(200, app.server_info()),
                 "/v1/loads": self._loads, "/metrics": self._metrics,
                 "/flush_cache": lambda: self.send_text(200, "Cache flushed.\n"),
             })
+
+        def _deprecated_model_info(self) -> None:
+            """http_server.py:805: anyone's GET /get_model_info writes a WARNING line (not the access log)."""
+            app.log("Endpoint '/get_model_info' is deprecated and will be removed in a future version. "
+                    "Please use '/model_info' instead.", WARNING)
+            self.send_json(200, app.model_info())
 
         def _post(self) -> None:
             self.dispatch({

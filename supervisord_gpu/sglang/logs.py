@@ -78,10 +78,19 @@ def is_reason(line: str) -> bool:
 # request spans: the echo of requests (our own probes among them), not a sign of start-up progress
 # uvicorn's complaints about what a client sent ("Invalid HTTP request received.") are written by
 # whoever connects: a neighbour sending garbage would otherwise extend a hung start for hours
-# Any method (an HTTP token), not a list of the usual ones: a stranger's `TRACE /x` is echoed as
-# '"TRACE /x HTTP/1.1" 405' too, and a path may spell a phase ("GET /DeepGEMM").
-_ACCESS = re.compile(r'"[!#$%&\'*+.^_`|~0-9A-Za-z-]+ \S* HTTP/\d(?:\.\d)?" \d{3}|http_request\{method='
-                     r'|Invalid HTTP request received|Unsupported upgrade request|No supported WebSocket library')
+# Any method: uvicorn (httptools and h11 alike) answers and logs TRACE, CONNECT, PROPFIND and
+# h11 any token at all ("foo /x"); a list of the usual seven let a neighbour's `TRACE /x` every
+# few seconds keep a hung start "making progress" until start_timeout_max (hostile read, #37).
+# SGLang's own echoes of a request carry the client's words: "[http_server] Error: Duplicate
+# request ID detected: RID" (the rid is the client's: "The server is fired up and ready to roll!"
+# would read as a phase), and --log-requests' "Receive: obj=..." / "Finish: obj=...".
+_ACCESS = re.compile(r'"[!#$%&\'*+.^_`|~0-9A-Za-z-]+ \S+ HTTP/\d(?:\.\d)?" \d{3}|http_request\{method='
+                     r'|Invalid HTTP request received|Unsupported upgrade request|No supported WebSocket library'
+                     r'|\[http_server\] |^(?:\[[^\]]*\]\s*)?(?:Receive|Finish): '
+                     # the PD KV manager's ZMQ sockets (bound on the host's address before the HTTP
+                     # port) log what a neighbour sends them: "Malformed ABORT message: invalid room
+                     # field %r", "Dropping malformed bootstrap control message" (conn.py, 0.5.23)
+                     r'|[Mm]alformed ')
 
 
 def is_access_log(line: str) -> bool:
@@ -92,14 +101,31 @@ def is_access_log(line: str) -> bool:
 # a bar without a total: "5it [00:01, 3.20it/s]")
 _BAR = re.compile(r"\d%|\d+/\d+ \[|\dit \[|(?:it/s|s/it)\]")
 
+# uvicorn's start line: from here on anyone who reaches the port can make the server print.
+_HTTP_OPEN = re.compile(r"Uvicorn running on")
 
-def is_start_progress(line: str) -> bool:
-    """Whether a line (or a `\\r` update) is the server's own start-up progress: a phase line or a
-    progress bar, never the echo of a request. Anyone who can connect makes the server print
-    (an access line, uvicorn's complaint about garbage, SGLang's request log): were that
-    progress, a stranger's requests would keep a hung start alive up to start_timeout_max."""
+
+def opens_http(line: str) -> bool:
+    """The server's HTTP port is up (SGLang starts uvicorn, then warms up through it)."""
+    return _HTTP_OPEN.search(line) is not None
+
+
+def is_start_progress(line: str, http_open: bool = True) -> bool:
+    """Whether a line (or a `\\r` update) moves a start's stall deadline.
+
+    Never the echo of a request (an access line of any method, uvicorn's complaint about garbage,
+    SGLang's own `[http_server] ...` and `Receive:`/`Finish:` echoes): anyone who connects makes
+    the server print those, and were they progress a stranger would keep a hung start alive up to
+    start_timeout_max (#37). Before the HTTP port is up only the server writes, and every other
+    line of it counts: a long load prints much that no rule names (NCCL, loaders, warnings), and
+    a quiet load killed at its stall bound costs a cold start. Once the port is up, SGLang 0.5.23
+    also prints lines for anyone's requests (`GET /get_model_info` a deprecation warning, a bad
+    /generate an error, a stuck scheduler "Health check failed", a /generate the batch lines):
+    from then on only a phase line or a progress bar counts."""
     if is_access_log(line):
         return False
+    if not http_open:
+        return True
     return _ANY.search(line) is not None or _BAR.search(line) is not None
 
 
@@ -109,8 +135,9 @@ def strip_ansi(line: str) -> str:
 
 
 def phase_of(line: str) -> str | None:
-    """The phase a log line (or a progress update) announces, or None for ordinary lines."""
-    if _ANY.search(line) is None:
+    """The phase a log line (or a progress update) announces, or None for ordinary lines and
+    for the access log: its path is the client's (`GET /DeepGEMM` is no compile phase)."""
+    if _ANY.search(line) is None or is_access_log(line):
         return None
     for pattern, phase in _RULES:
         if pattern.search(line):
