@@ -143,21 +143,22 @@ def router_workers(spec: ProcessSpec, profile: Profile) -> tuple[tuple[str, str]
 
 def keyed_router(program: tuple[str, ...]) -> tuple[str, ...]:
     """The router program wrapped so its control-plane key comes from the environment, not argv."""
-    wrapped = router_key.shim_argv(program)
-    if not wrapped:
-        raise ConfigError("", "router_command", f"{' '.join(program)!r} is not `PYTHON -m MODULE`: the router's "
-                          "control-plane key can only reach it off its (world-readable) command line through "
-                          "a Python module run with -m")
-    return wrapped
+    return _keyed(router_key.shim_argv(program), program, "router_command",
+                  "is not `PYTHON -m MODULE`: the router's control-plane key can only reach it off its "
+                  "(world-readable) command line through a Python module run with -m")
 
 
 def keyed_server(program: tuple[str, ...]) -> tuple[str, ...]:
     """The server program wrapped so its admin key comes from the environment, not argv."""
-    wrapped = admin_key.shim_argv(program)
+    return _keyed(admin_key.shim_argv(program), program, "server_command",
+                  "is neither `PYTHON -m MODULE` nor `PYTHON SCRIPT.py`: the server's admin key can only reach "
+                  "it off its (world-readable) command line through Python")
+
+
+def _keyed(wrapped: tuple[str, ...], program: tuple[str, ...], key: str, why: str) -> tuple[str, ...]:
+    """The shim's argv, or the one line saying why a key cannot reach this program."""
     if not wrapped:
-        raise ConfigError("", "server_command", f"{' '.join(program)!r} is neither `PYTHON -m MODULE` nor "
-                          "`PYTHON SCRIPT.py`: the server's admin key can only reach it off its (world-readable) "
-                          "command line through Python")
+        raise ConfigError("", key, f"{' '.join(program)!r} {why}")
     return wrapped
 
 
