@@ -281,11 +281,16 @@ def test_what_a_caller_sent_is_echoed_back_bounded(daemon):
 
 
 def test_only_root_and_the_control_group_read_a_childs_own_error_lines(daemon, bus):
-    # the real router logs its 503 /readiness answers at ERROR while its workers come up
+    # The router prints an error line of its own: written into its very stderr, the pipe the daemon
+    # reads (its 503 /readiness lines are request echoes now, never a last error: they hold the
+    # client's words).
+    pid = json.loads(daemon.obj.GetProcess("router"))["pid"]
+    with open(f"/proc/{pid}/fd/2", "w") as stderr:
+        stderr.write("2026-12-06T10:00:00Z ERROR sgl_model_gateway: worker secret-4711 refused the connection\n")
     deadline = time.monotonic() + 10
     while not json.loads(daemon.obj.GetProcess("router")).get("last_error") and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert json.loads(daemon.obj.GetProcess("router"))["last_error"], "nothing to hide: the test would prove nothing"
+    assert "secret-4711" in json.loads(daemon.obj.GetProcess("router"))["last_error"], "nothing to hide: the test would prove nothing"
     public = json.loads(as_nobody(bus.address, "GetStatus").stdout)
     assert all("last_error" not in p for p in public["processes"]), public
     assert "last_error" not in json.loads(as_nobody(bus.address, "GetProcess", "router").stdout)
