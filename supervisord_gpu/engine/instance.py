@@ -251,9 +251,12 @@ class Instance:
     # ------------------------------------------------------------------ stop
 
     async def stop(self, reason: str = "") -> float:
-        """Stop every process in the profile's stop order; returns seconds taken."""
-        for task in self._restart_tasks.values():
+        """Stop every process in the profile's stop order; returns seconds taken. A crash restart
+        under way is cancelled and waited for first: the stop must never run beside its start."""
+        recovering = [t for t in self._restart_tasks.values() if t is not asyncio.current_task()]
+        for task in recovering:
             task.cancel()
+        await asyncio.gather(*recovering, return_exceptions=True)
         async with self._lock:
             self._set_state(InstanceState.STOPPING, reason)
             took = await self._stop_all()
@@ -384,11 +387,13 @@ class Instance:
             why = f"not ready after its restart: {str(e).splitlines()[0].removeprefix(f'{proc.name}: ')}"
             self.sink.event(f"{proc.name}: restart failed: {e}", 3, GPUSUP_PROCESS=proc.name,
                             GPUSUP_EVENT="restart-failed")
-            self._restart_tasks.pop(proc.name, None)
             proc.on_unexpected_exit = None
-            await proc.stop(timeout=0.0)
-            proc.on_unexpected_exit = self._on_unexpected_exit
+            try:  # still this process's restart task meanwhile: a stop cancels it and waits for it
+                await proc.stop(timeout=0.0)
+            finally:
+                proc.on_unexpected_exit = self._on_unexpected_exit
             proc.note_failed_restart(why)
+            self._restart_tasks.pop(proc.name, None)
             self._on_unexpected_exit(proc)
         finally:
             if self._restart_tasks.get(proc.name) is asyncio.current_task():

@@ -649,7 +649,14 @@ class ManagedProcess:
             group.kill_all(signal.SIGKILL)
         if not await group.wait_empty(KILL_GRACE_S):
             self.sink.event(f"{self.name}: group {group.name} still populated after SIGKILL: {group.pids()}", 2)
-        await self._exited.wait()
+        try:
+            await asyncio.wait_for(self._exited.wait(), KILL_GRACE_S)
+        except TimeoutError:
+            # its group is empty and nobody reaped it for us: a start cancelled between its spawn and
+            # its reaper (a stop during a crash restart) leaves no one to; never wait for that forever
+            self.sink.event(f"{self.name}: its group is empty but its exit was never seen; taken as exited", 3,
+                            GPUSUP_PROCESS=self.name)
+            self._exited.set()
         for task in self._tasks:
             if not task.done():
                 try:
