@@ -33,6 +33,7 @@ from .model import (
 )
 from ..sglang import timing
 from . import cluster
+from . import sharing
 from .tables import MAX_PORT, Table, type_name
 from .trust import check_modes, read_verified
 
@@ -525,6 +526,7 @@ def _server(path: Path, name: str, data: Any, defaults: dict[str, Any], default_
     common = _common(t, defaults, 900.0, 60.0)
     options = _options(t.table("options"), SERVER_MANAGED)
     paused_warn = t.number("paused_warn", 300.0, lo=1.0, hi=7 * 86400)
+    share_gpus = t.bool("share_gpus", False)
     probe = _probe(t, _server_probe_defaults(options), server=True)
     env = default_env + _env(t.table("env"))
     _check_admin_key_holds(path, key, options, env)
@@ -547,6 +549,7 @@ def _server(path: Path, name: str, data: Any, defaults: dict[str, Any], default_
         start_timeout_max_s=common["start_timeout_max_s"],
         stop_timeout_s=common["stop_timeout_s"],
         paused_warn_s=paused_warn,
+        share_gpus=share_gpus,
         **where,
     )
     _check_parallelism(path, key, spec)
@@ -736,14 +739,8 @@ def _env(t: Table) -> tuple[tuple[str, str], ...]:
 
 
 def _check_gpus(path: Path, specs: list[ProcessSpec]) -> None:
-    owner: dict[tuple[str | None, int], str] = {}
-    for s in specs:
-        for node in cluster.nodes_of(s):
-            for g in s.gpus:
-                if (node, g) in owner:
-                    on = f" on node {node!r}" if node else ""
-                    raise ConfigError(path, f"servers.{s.name}.gpus", f"GPU {g}{on} is also used by servers.{owner[node, g]}")
-                owner[node, g] = s.name
+    """One GPU per server, unless every server on it says share_gpus (config/sharing.py)."""
+    sharing.check_shared_gpus(path, specs)
 
 
 def _hosts_overlap(a: str, b: str) -> bool:

@@ -98,6 +98,8 @@ class ProcessSpec:
     start_timeout_max_s: float = 14400.0
     #: servers: not serving (/ready 503: paused, latched or draining) for longer than this is a warning
     paused_warn_s: float = 300.0
+    #: servers: `share_gpus = true`, this server may share its GPUs with others that say so (config/sharing.py)
+    share_gpus: bool = False
     # router only
     router_mode: Literal["regular", "pd"] | None = None
     workers: tuple[str, ...] = ()

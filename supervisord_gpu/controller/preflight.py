@@ -12,9 +12,10 @@ import os
 from collections.abc import Callable
 
 from ..checks.gpus import GpuInventory
+from ..checks.gpu_room import room_problems
 from ..checks.preconditions import PreconditionReport, Requirement, check
 from ..config.model import DaemonConfig, Profile
-from ..errors import ConfigError
+from ..errors import ConfigError, PreconditionError
 from .backends import Backends
 
 
@@ -97,4 +98,7 @@ async def check_profile(profile: Profile, inventory: GpuInventory) -> Preconditi
 
     report = await asyncio.to_thread(check, Requirement.of(profile), inventory)
     raise_for_missing(profile, report)
+    short = room_problems(profile, report.gpus, inventory.tolerance_mib)  # shared GPUs (checks/gpu_room.py)
+    if short:
+        raise PreconditionError("refusing to start: " + "; ".join(short))
     return report

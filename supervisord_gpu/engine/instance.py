@@ -8,6 +8,7 @@ and the instance changes them only through the process's methods.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from .. import records
 import os
 import time
@@ -17,6 +18,7 @@ from typing import Protocol
 
 from ..config.model import ProcessSpec, Profile
 from ..config.render import Launch
+from ..config.sharing import sharers, start_waits
 from ..errors import PreconditionError, StartError, SupervisorError
 from ..ownership.base import OwnershipDriver
 from .events import Event, Listener, LogSink
@@ -99,6 +101,9 @@ class Instance:
         self._start_failure: StartError | None = None
         self._start_began: float | None = None  # set by prepare: the start's time counts its transition
         self._lock = asyncio.Lock()
+        #: the servers on a shared GPU restart one at a time, as they start (config/sharing.py)
+        self._sharing = {u.name for users in sharers(profile.processes).values() for u in users}
+        self._gpu_turn = asyncio.Lock()
         self.failed = asyncio.Event()  # set when the instance gives up (restart limit)
 
     # ------------------------------------------------------------------ events and status
@@ -213,9 +218,11 @@ class Instance:
         all_up = asyncio.Event()
         self._start_abort = start_abort = asyncio.Event()
         self._start_failure = None
+        # its `after`, and the servers before it on a GPU it shares (their pools are taken at start)
+        waits = start_waits(self.profile.processes)
 
         async def bring_up(proc: ManagedProcess) -> None:
-            for dep in proc.spec.after:
+            for dep in waits[proc.name]:
                 await ready[dep].wait()
             if self.gate is not None:
                 await self.gate.before_start(proc.spec)
@@ -401,9 +408,12 @@ class Instance:
 
     async def _bring_back(self, proc: ManagedProcess, workers: RouterWorkers | None, again: Again) -> None:
         """Start `proc` again (stopped now), wait for it, put it back behind its router; the
-        instance is READY again once every process is (and nothing gave up meanwhile)."""
-        await proc.start(again)
-        await proc.wait_ready()
+        instance is READY again once every process is (and nothing gave up meanwhile). A server on a
+        shared GPU waits for its turn: two sharers that crashed together must not size their
+        memory pools at the same moment."""
+        async with self._gpu_turn if proc.name in self._sharing else contextlib.nullcontext():
+            await proc.start(again)
+            await proc.wait_ready()
         await self._back_in_traffic(proc, workers)
         if self.state == InstanceState.DEGRADED and all(p.state == ProcessState.READY for p in self.processes.values()):
             self._set_state(InstanceState.READY)

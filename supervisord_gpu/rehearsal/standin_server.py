@@ -155,7 +155,8 @@ simulated GPUs) stop the children gracefully, remove the files and exit 1.
 Stand-in-only settings (environment):
 
     SUPERVISORD_GPU_STANDIN_STARTUP_S   seconds of loading, port closed (float, default 3.0)
-    SUPERVISORD_GPU_STANDIN_MIB         MiB held per GPU once loaded (default 100000)
+    SUPERVISORD_GPU_STANDIN_MIB         MiB held per GPU once loaded (default 100000); on simulated
+                                        GPUs, --mem-fraction-static F holds F x the card's total instead
     SUPERVISORD_GPU_SIMGPU_DIR          simulated GPU directory (checks/simgpu.py); unset:
                                         hold no GPU memory and check nothing
     SUPERVISORD_GPU_STANDIN_FAULT       one fault to inject (see `Fault`):
@@ -996,6 +997,11 @@ class StandinServer:
                     raise StartupError(f"torch.AcceleratorError: CUDA error: invalid device ordinal (GPU {g})")
             first = by_index[self.gpus[0]]
             self.total_mib, self.reserved_mib = first.total_mib, first.reserved_mib
+            fraction = getattr(self.args, "mem_fraction_static", None)
+            if fraction:  # like SGLang's pool: the fraction of the card (config/sharing.py), not the setting's MiB
+                from ..records import replace
+
+                self.settings = replace(self.settings, mib=int(fraction * self.total_mib))
         else:
             self.gpus = resolve_gpus(self.args, os.environ)
 
