@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -73,6 +75,37 @@ def test_the_one_gpu_pd_example_starts_its_servers_in_turn_and_both_serve(tmp_pa
     assert rec.first("decode", "starting") >= rec.first("prefill", "ready"), "the decode started before the prefill was ready"
     assert rec.first("router", "starting") >= rec.first("decode", "ready")
     assert cgroups.all_pids() == []
+
+
+def test_two_sharers_that_crash_together_restart_one_after_the_other(tmp_path, cgroups):
+    text = example_on_free_ports() + "\n[restart]\nbackoff_initial = 0.2\n"
+    cdir = write_config(tmp_path, {"pd1": text}, cgroups.root, startup=1.0)
+    rec = Recorder()
+    instance, _ = make_instance(cdir, "pd1", rec)
+    servers = [instance.processes["prefill"], instance.processes["decode"]]
+
+    async def go() -> None:
+        await instance.start()
+        try:
+            old = [p.pid for p in servers]
+            for pid in old:
+                os.kill(pid, signal.SIGKILL)  # a GPU fault takes both
+            for _ in range(600):
+                await asyncio.sleep(0.05)
+                if instance.state == State.READY and all(p.pid not in old for p in servers):
+                    break
+            assert instance.state == State.READY and all(p.restarts_total == 1 for p in servers)
+        finally:
+            await instance.stop()
+
+    asyncio.run(go())
+    def at(name: str, state: str, message: str) -> float:  # a restart's spawn is its plain "restarting" event
+        return [e.at for e in rec.events if e.kind == "process" and e.process == name
+                and e.state == state and e.message == message][-1]
+
+    again = {name: (at(name, "restarting", "restarting"), at(name, "ready", "ready")) for name in ("prefill", "decode")}
+    first, second = sorted(again.values())
+    assert second[0] >= first[1], f"both sharers restarted at once: {again}"
 
 
 @pytest.fixture
