@@ -469,6 +469,11 @@ def takeover(run: PdRun, c: R.Check, m: dict[str, Any], old: R.Daemon, profile: 
     m["verified_idle_line"] = idle[0]["msg"] if idle else None
     m["first_spawn_at_s"] = round(spawn[0]["t"] - since, 2) if spawn else None
     m["switch_to_ready_s"] = round(time.time() - since, 1)
+    if m["first_spawn_at_s"] is not None:
+        m["new_start_s"] = round(m["switch_to_ready_s"] - m["first_spawn_at_s"], 1)  # its spawn to READY
+    trans = new.find(lambda e: e["k"] == "say" and ("transition" in e["msg"] or "verified idle" in e["msg"]
+                                                    or e["f"].get("GPUSUP_EVENT") == "transition"), since)
+    m["transition_lines"] = [(round(e["t"] - since, 2), e["msg"][:300]) for e in trans]
     c("GPU verified idle (the daemon's check) before the new profile's first spawn", bool(idle) and bool(spawn) and idle[0]["t"] <= spawn[0]["t"],
       {"idle_at_s": m["verified_idle_at_s"], "spawn_at_s": m["first_spawn_at_s"]})
     last_stop = max((v["stopped_at_s"] for v in tl.values()), default=None)
@@ -501,6 +506,11 @@ def p1_start(run: PdRun, c: R.Check, m: dict[str, Any], d: R.Daemon) -> None:
         m[f"{name}_ready_at_s"] = round(ready[0]["t"] - d.started_at, 1) if ready else None
     boot = [e["line"] for e in d.find(lambda e: e["k"] == "line" and e["p"] == "prefill" and "Bootstrap" in e["line"])]
     m["prefill_bootstrap_lines"] = boot[:3]
+    if run.layout == "shared":  # one GPU for both: the second spawned only once the first was ready
+        p_sp, p_rd, d_sp, d_rd = (m.get(f"{n}_{w}_at_s") for n in ("prefill", "decode") for w in ("spawn", "ready"))
+        one_after = None not in (p_sp, p_rd, d_sp, d_rd) and (d_sp >= p_rd or p_sp >= d_rd)  # type: ignore[operator]
+        c("the two servers sharing GPU 0 started one after another", one_after,
+          {"prefill": (p_sp, p_rd), "decode": (d_sp, d_rd)})
 
 
 def p2_generate(run: PdRun, c: R.Check, m: dict[str, Any]) -> None:
@@ -624,11 +634,14 @@ def main() -> int:
     r.add_argument("--unpack", default="/tmp/sgl", help="where `unpack` put the bundles and the model")
     r.add_argument("--work", default=None)
     r.add_argument("--python", default=None, help="the python of the daemon and the servers (default: this one)")
+    r.add_argument("--only", type=lambda v: set(v.split(",")), default=set(),
+                   help="run only these scenarios (comma-separated keys; p1_start always runs)")
     r.add_argument("--standin-startup", type=float, default=3.0, help="the stand-in's loading time (seconds)")
     args = ap.parse_args()
     if args.command == "unpack":
         return cmd_unpack(args)
-    args.code, args.only, args.sgl = "tree", set(), str(R.SGL)
+    args.code, args.sgl = "tree", str(R.SGL)
+    args.only = args.only | {"p1_start"} if args.only else set()  # the rest need pd1 started
     return cmd_run(args)
 
 
