@@ -1397,3 +1397,43 @@ def test_rank_1_ignores_sigterm_until_rank_0_goes_and_a_killed_rank_1_takes_rank
     rank1.kill()
     assert rank0.wait(15) == -signal.SIGKILL
     assert "Connection closed by peer [node rank 1]" in err0.read_text()
+
+
+# --- PD beside the real server (issue 36: what the real pair did on the device machine) ----------
+
+
+def test_a_prefill_refuses_the_fake_transfer_backend_and_exits_1() -> None:
+    """`fake` is decode-only: the real prefill's ServerArgs asserts before anything starts."""
+    port = free_port()
+    r = subprocess.run([*SERVER, "--model-path", "test/model", "--port", str(port), "--disaggregation-mode", "prefill",
+                        "--disaggregation-transfer-backend", "fake"], capture_output=True, text=True, timeout=10, cwd=str(REPO))
+    assert r.returncode == 1, r.returncode
+    assert "AssertionError: Prefill server does not support 'fake' as the transfer backend" in r.stderr, r.stderr
+    assert "Load weight begin" not in r.stderr and refused(port)
+
+
+def test_a_prefill_announces_its_bootstrap_server_early_and_holds_its_port(procs: Procs) -> None:
+    """The real prefill logs "CommonKVBootstrapServer started successfully on HOST:PORT" long before
+    its HTTP port opens; mooncake is accepted."""
+    boot = free_port()
+    p, port, _, err = start_server(procs, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot),
+                                   "--disaggregation-transfer-backend", "mooncake", startup_s=2.0)
+    line = f"CommonKVBootstrapServer started successfully on 127.0.0.1:{boot}"
+    wait_for(lambda: line in err.read_text(), 5, what="the bootstrap line")
+    assert refused(port) and not refused(boot)
+    holders = {c.pid for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr and c.laddr.port == boot}
+    assert holders == {p.pid}, holders
+    wait_ready(port)
+
+
+def test_a_decode_refuses_a_request_no_router_paired_with_a_prefill(procs: Procs) -> None:
+    """A direct /generate to the real decode: 400 "Disaggregated request received without
+    bootstrap room id"; with a bootstrap room (what the router adds) it is served."""
+    p, port, _, err = start_server(procs, "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake")
+    wait_ready(port)
+    url = f"http://127.0.0.1:{port}/generate"
+    code, body = http("POST", url, {"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    assert code == 400 and b"Disaggregated request received without bootstrap room id" in body, (code, body)
+    code, body = http("POST", url, {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "bootstrap_room": 7,
+                                    "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998})
+    assert code == 200, (code, body)

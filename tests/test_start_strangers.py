@@ -201,3 +201,43 @@ def test_a_stranger_on_a_prefills_bootstrap_port_fails_its_start_named(tmp_path,
     first = message.splitlines()[0]
     assert f"bootstrap port 127.0.0.1:{boot} is held by pid {squatter.pid}" in first, first
     assert instance.state == State.FAILED and cgroups.all_pids() == []
+
+
+def test_a_stranger_who_takes_the_bootstrap_port_after_the_preflight_makes_the_daemon_exit_3_naming_them(
+        tmp_path, cgroups, strangers, monkeypatch) -> None:
+    """Issue 36: the preflight found the prefill's bootstrap port free; a local user binds it before
+    the prefill does (SGLang would only log its failed bind and answer /health 200). Through the
+    daemon's own start path: not READY, exit 3 (the preflight's refusal come late: final, no
+    systemd retry into the same taken port), the reason naming nobody's pid, nothing left."""
+    from supervisord_gpu import daemon as D
+    from supervisord_gpu.config.loader import load_daemon_config, load_profile
+
+    port, boot = free_ports(2)
+    text = one_server(port, f'role = "prefill"\n        [servers.alpha.options]\n        disaggregation-bootstrap-port = {boot}\n'
+                            '        disaggregation-transfer-backend = "mooncake"')
+    cfg = load_daemon_config(write_config(tmp_path, {"p": text}, cgroups.root, startup=0.5))
+    built = D.build_instance
+
+    def squatted_after_the_preflight(*a, **k):  # type: ignore[no-untyped-def]
+        instance, sink = built(*a, **k)
+        start = instance.start
+
+        async def stranger_then_start() -> None:  # the controller calls this after its preflight
+            squatter = as_nobody(SQUATTER, boot)
+            strangers.append(squatter)
+            assert squatter.stdout is not None
+            assert await asyncio.wait_for(asyncio.to_thread(squatter.stdout.readline), 10) == "bound\n"
+            await start()
+
+        instance.start = stranger_then_start
+        return instance, sink
+
+    monkeypatch.setattr(D, "build_instance", squatted_after_the_preflight)
+    events: list = []
+    opts = D.RunOptions(rehearsal=True, force_stderr=True, bus="off", stop_after_ready=True, listeners=[events.append])
+    code = asyncio.run(asyncio.wait_for(D.serve(cfg, load_profile(cfg, "p"), opts), 60))
+    failed = [e.message for e in events if e.kind == "instance" and e.state == "failed"]
+    assert code == 3, (code, failed)
+    holder = f"port 127.0.0.1:{boot} (alpha bootstrap) held by pid {strangers[0].pid} (user nobody"
+    assert failed and holder in failed[-1] and "taken while p was starting" in failed[-1], failed
+    assert cgroups.all_pids() == []

@@ -406,7 +406,7 @@ class Daemon:
         self._pos = 0
         self._partial = b""
         argv = [run.py, str(SCRIPT), "daemon", profile, "--config-dir", str(run.etc), "--events", str(self.events_path),
-                "--control", self.control] + (["--rehearsal"] if run.mode == "standin" else [])
+                "--control", self.control] + (["--rehearsal"] if run.rehearsal else [])
         self.started_at = time.time()
         self.proc = subprocess.Popen(argv, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, cwd=run.work,
                                      env=run.daemon_env())
@@ -523,6 +523,12 @@ class Run:
         self.code = REPO
         self.cgroup_top: Path | None = None
         self.seen_shm: set[str] = set()
+        #: the daemon in rehearsal mode (real_pd.py runs stand-ins without it, to pick its router)
+        self.rehearsal = self.mode == "standin"
+
+    def tag(self) -> str:
+        """What the result and log files are named after (real_pd.py names its own)."""
+        return f"{self.mode}-g{self.args.group}"
 
     # ---------------------------------------------------------------- set-up
 
@@ -733,7 +739,7 @@ prometheus-port = {ROUTER_METRICS_PORT}
 
     def save(self) -> None:
         self.results["elapsed_s"] = round(self.elapsed(), 1)
-        path = self.out / f"real-sglang-{self.mode}-g{self.args.group}.json"
+        path = self.out / f"real-sglang-{self.tag()}.json"
         path.write_text(json.dumps(self.results, indent=1, default=str))
 
     def scenario(self, key: str, title: str, estimate_s: float, fn: Any, *a: Any) -> Any:
@@ -787,9 +793,9 @@ prometheus-port = {ROUTER_METRICS_PORT}
         summary = {k: v["result"] for k, v in self.results["scenarios"].items()}
         self.results["summary"] = summary
         self.save()
-        tgz = self.out / f"logs-{self.mode}-g{self.args.group}.tar.gz"
+        tgz = self.out / f"logs-{self.tag()}.tar.gz"
         with tarfile.open(tgz, "w:gz") as tf:
-            tf.add(self.logs, arcname=f"logs-{self.mode}-g{self.args.group}")
+            tf.add(self.logs, arcname=f"logs-{self.tag()}")
         print("\n== summary (" + self.mode + f", group {self.args.group}, {self.elapsed():.0f} s)")
         for k, v in summary.items():
             print(f"  {v:<8} {k}: {self.results['scenarios'][k]['title']}")

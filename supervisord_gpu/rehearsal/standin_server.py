@@ -26,7 +26,12 @@ Start-up, in order (the port is closed, connection refused, until step 6):
     (15 bytes of it). Each scheduler creates and maps /dev/shm/sgl_shm_<16 hex> and, with
     TP > 1, /dev/shm/nccl-<6 alnum>, and holds the simulated GPU memory (checks/simgpu.py).
     A watchdog thread (SGLang's SubprocessWatchdog) polls the children every 1 s.
-    PD prefill: the bootstrap port is bound now, in a thread; a failure is only logged.
+    PD prefill: the bootstrap port is bound now, in a thread ("CommonKVBootstrapServer started
+    successfully on HOST:PORT"); a failure is only logged. A prefill with
+    --disaggregation-transfer-backend fake exits 1 before all this (ServerArgs' assertion "Prefill
+    server does not support 'fake' as the transfer backend"). A decode refuses a /generate
+    without bootstrap_room (one no router paired with a prefill) with 400 "Invalid request:
+    Disaggregated request received without bootstrap room id." (not with `fake`).
  3. Loading, SUPERVISORD_GPU_STANDIN_STARTUP_S seconds: "Load weight begin" and a
     "Loading safetensors checkpoint shards" bar (52 %), "Load weight end", "KV Cache is
     allocated", "Memory pool end" (5 %), "Capture target decode CUDA graph begin", a
@@ -873,6 +878,8 @@ class StandinServer:
         if a.model_path is None:
             self.log("ValueError: --model-path is required", ERROR)
             return 1
+        if self.pd_mode == "prefill" and a.disaggregation_transfer_backend == "fake":
+            return _fake_backend_on_a_prefill()
         self._create_ipc()
         # engine.py:1185 logs redact_watermark_secrets(server_args.resolved_dict()): every field, keys included
         shown = redaction.redact_watermark_secrets({k: getattr(a, k) for k in (
@@ -1036,7 +1043,7 @@ class StandinServer:
                      f"[Errno {e.errno}] {e.strerror}", ERROR)
             return
         serve_in_thread(self.bootstrap, "bootstrap-http")
-        self.log(f"Bootstrap server started on {a.host}:{a.disaggregation_bootstrap_port}")
+        self.log(f"CommonKVBootstrapServer started successfully on {a.host}:{a.disaggregation_bootstrap_port}")
 
     # -- waiting in the main thread -----------------------------------------------------
 
@@ -1831,6 +1838,16 @@ class StandinServer:
         })
         return redaction.redact_watermark_secrets(info)  # http_server.py:880: admin_api_key stays in
 
+    def _without_bootstrap_room(self, body: dict[str, Any]) -> tuple[int, Any] | None:
+        """A decode answers only requests a router paired with a prefill (bootstrap_room set):
+        a client that reaches it directly gets 400, as from the real scheduler (measured on the
+        device machine, 2026-12-06). With the `fake` backend SGLang numbers the rooms itself."""
+        if self.pd_mode != "decode" or self.args.disaggregation_transfer_backend == "fake" or body.get("bootstrap_room") is not None:
+            return None
+        message = "Invalid request: Disaggregated request received without bootstrap room id."
+        self.log(f"[http_server] Error: {message}", ERROR)
+        return 400, {"error": {"message": message}}
+
     def running(self) -> int:
         with self.lock:
             return sum(1 for r in self.requests.values() if not r.health)
@@ -1843,6 +1860,8 @@ class StandinServer:
         both, so behind it max_new_tokens x SUPERVISORD_GPU_STANDIN_TOKEN_S is used.
         """
         self.request_sigterm_handler()  # SGLang's auto_create_handle_loop
+        if refused := self._without_bootstrap_room(body):
+            return refused
         if self.args.log_requests:
             self.log(f"Receive: obj=GenerateReqInput({json.dumps(body, sort_keys=True)})")
         sp = body.get("sampling_params") or {}
@@ -1981,6 +2000,15 @@ class StandinServer:
             f"sglang:num_requests_total{{{label}}} {self.stats['requests']}",
         ]
         return "\n".join(lines) + "\n"
+
+
+def _fake_backend_on_a_prefill() -> int:
+    """SGLang's ServerArgs refuses `fake` on a prefill with an assertion, before any child or
+    port (the prefill needs a real KV sender): its traceback on stderr, exit 1."""
+    sys.stderr.write("Traceback (most recent call last):\n  File \"sglang/srt/server_args.py\", in _handle_pd_disaggregation\n"
+                     "AssertionError: Prefill server does not support 'fake' as the transfer backend\n")
+    sys.stderr.flush()
+    return 1
 
 
 class _BootstrapHandler(JSONHandler):
