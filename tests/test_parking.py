@@ -311,3 +311,14 @@ def test_simulated_restore_onto_a_gpu_someone_filled_fails(tmp_path: Any) -> Non
     finally:
         other.kill()
         other.wait()
+
+
+def test_without_driver_api_or_utility_parking_says_why_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from supervisord_gpu.parking import open_checkpointer
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(CheckpointUnavailable) as info:
+        open_checkpointer(libcuda="/nonexistent/libcuda.so.1")
+    assert str(info.value) == ("no way to park on this machine: no CUDA driver library (/nonexistent/libcuda.so.1: "
+                               "/nonexistent/libcuda.so.1: cannot open shared object file: No such file or directory); "
+                               "no cuda-checkpoint on PATH")

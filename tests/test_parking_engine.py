@@ -13,6 +13,7 @@ import os
 import subprocess
 import time
 
+from supervisord_gpu.api.notify import status_text
 from supervisord_gpu.checks.gpus import SimulatedInventory
 from supervisord_gpu.checks.simgpu import H200_TOTAL_MIB, SimulatedGpus
 from supervisord_gpu.controller.parking import Parker
@@ -59,7 +60,8 @@ def test_park_switch_and_back_on_one_gpu(tmp_path, cgroups):
         assert a.state == InstanceState.PARKED and a.processes["main"].state == ProcessState.PARKED
         assert inventory.snapshot([0])[0].idle, "GPU 0 is at its baseline while A is parked"
         assert record.pids == scheduler and record.host_bytes == 1000 * (1 << 20)
-        assert a.reason.startswith("parked: 0 MiB on the GPU, 1.0 GB host")
+        assert status_text(a.status()).startswith("parked: 0 MiB on the GPU, 1.0 GB host (main pid ")
+        assert a.processes["main"]._liveness is None, "liveness is paused while parked"
         await asyncio.sleep(a.profile.processes[0].probe.liveness_interval_s * 2)
         assert a.processes["main"].pid == main_pid, "liveness killed nothing while parked"
         await b.start()

@@ -57,9 +57,10 @@ class ParkedProfile:
         return [t.pid for t in self.targets]
 
     def describe(self) -> str:
-        """"parked: 0 MiB on the GPU, 21.7 GB host (scheduler pid 123), via driver-api"."""
+        """"0 MiB on the GPU, 21.7 GB host (server pid 123), via driver-api": the instance's reason
+        while parked, so STATUS= and `gpusupctl status` read "parked: 0 MiB on the GPU, ..."."""
         who = ", ".join(f"{t.process} pid {t.pid}" for t in self.targets)
-        return f"parked: 0 MiB on the GPU, {gb(self.host_bytes)} host ({who}), via {self.mechanism}"
+        return f"0 MiB on the GPU, {gb(self.host_bytes)} host ({who}), via {self.mechanism}"
 
     def to_json(self) -> dict[str, object]:
         return {"instance": self.instance, "mechanism": self.mechanism, "host_bytes": self.host_bytes,
