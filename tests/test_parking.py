@@ -116,6 +116,8 @@ def test_park_short_of_host_memory_is_refused_with_the_figures() -> None:
     why = host_memory_refusal("tp1", 20 * 10**9, 16 * 10**9)
     assert why == "refusing to park tp1: host memory available 16.0 GB, needed 20.0 GB to park + 4.3 GB margin"
     assert host_memory_refusal("tp1", 20 * 10**9, 30 * 10**9) == ""
+    assert "needed 20.0 GB to park + 4.3 GB margin" in host_memory_refusal("tp1", 20 * 10**9, 22 * 10**9), \
+        "the bytes fit, the margin does not: refused"
     assert "unknown" in host_memory_refusal("tp1", 1, None)
 
 
