@@ -27,6 +27,10 @@ Scenarios, each skipped with "NOT RUN (budget)" when the time left cannot hold i
                  while parked, answered after the restore (0 cut)
   p4_restore     restore through the Parker: from parked to a generation answered; the same greedy
                  output; the in-flight request's answer; every NVML sample at baseline while parked
+  p6_daemon      the same cycle through two daemons (real_sglang.py's daemon subcommand, its
+                 control socket standing in for D-Bus): Park job on solo, other started by its own
+                 daemon (its takeover leaves the parked solo alone), Restore job on solo (other
+                 stopped by the transition, GPU verified idle, restored, one generation), same output
   p5_saver       SGLang's own memory saver (`--enable-memory-saver`): release/resume with tags
                  (kv_cache, then all), NVML after each, time, and the greedy output after
 
@@ -108,6 +112,7 @@ class Park:
         #: when solo's GPU must read at its baseline: parked, before other starts and after it stops
         self.marks: dict[str, float] = {}
         self.in_flight: dict[str, Any] = {}
+        self.daemons: list[R.Daemon] = []  # stopped at the end whatever happened (their restarts would outlive the run)
 
     # ------------------------------------------------------------------ set-up
 
@@ -273,6 +278,52 @@ class Park:
         self.do(inst.stop("end of the park cycle"))
         m["solo_stop_s"] = round(time.time() - t, 2)
 
+    def job(self, d: R.Daemon, timeout: float, **req: Any) -> dict[str, Any]:
+        """A control job through the daemon's socket (what D-Bus Park/Restore + GetJob would be), to its end."""
+        started = d.ctl(**req)
+        if "job" not in started:
+            return {"state": "not accepted", "reason": started}
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            j = d.ctl(op="job", id=started["job"])
+            if j.get("state") != "running":
+                return j
+            time.sleep(0.2)
+        return {"state": "timed out", "reason": f"{timeout:g} s"}
+
+    def p6_daemon(self, c: R.Check, m: dict[str, Any]) -> None:
+        """The cycle through two daemons (the device machine has no D-Bus: the control socket
+        of real_sglang.py's daemon stands in for Park and Restore)."""
+        run = self.run
+        solo = R.Daemon(run, "solo", "park-solo")
+        self.daemons.append(solo)
+        run.start_and_ready(solo, c, m, R.SERVER_PORT)
+        status, before, _ = generate(R.SERVER_PORT)
+        c("solo serves under its daemon", status == 200, before)
+        t = time.time()
+        parked = self.job(solo, 300, op="park", next="other")
+        m["park_job"], m["park_job_s"] = parked, round(time.time() - t, 2)
+        c("Park job done", parked.get("state") == "done", parked)
+        c("solo's daemon says parked", solo.ctl(op="status").get("state") == "parked", solo.ctl(op="status").get("reason"))
+        used, holders = run.gpu.read()
+        c("GPU at baseline, solo parked", used - run.baseline <= R.IDLE_TOLERANCE_MIB and not holders, (used, holders))
+        other = R.Daemon(run, "other", "park-other")
+        self.daemons.append(other)
+        run.start_and_ready(other, c, m, OTHER_PORT)
+        c("other's start left the parked solo alone", solo.proc.poll() is None and
+          solo.ctl(op="status").get("state") == "parked", solo.ctl(op="status").get("state"))
+        status, text, _ = generate(OTHER_PORT)
+        c("other serves", status == 200, text)
+        t = time.time()
+        back = self.job(solo, 400, op="restore")
+        m["restore_job"], m["restore_job_s"] = back, round(time.time() - t, 2)
+        c("Restore job done: other stopped, GPU verified idle, solo restored and serving",
+          back.get("state") == "done" and "restored and serving" in str(back.get("reason")), back)
+        c("other's daemon exited (stopped by the switch back)", other.proc.poll() is not None, other.proc.poll())
+        status, after, _ = generate(R.SERVER_PORT)
+        c("the same greedy output under the daemon", status == 200 and after == before, (before, after))
+        run.idle_after_stop(c, m, solo, "solo", ["server"])
+
     def p5_saver(self, c: R.Check, m: dict[str, Any]) -> None:
         if self.args.mode != "real":
             raise R.NotRun("the stand-in has no memory saver")
@@ -316,8 +367,11 @@ class Park:
                 if run.results["scenarios"]["p2_park"]["result"] == "PASS":
                     run.scenario("p3_switch", "start other on the same GPU, serve, stop, idle", start, self.p3_switch)
                     run.scenario("p4_restore", "restore solo: serving, same output, the waiting request", 60, self.p4_restore)
+            run.scenario("p6_daemon", "park, switch and restore through two daemons", 2 * start + 60, self.p6_daemon)
             run.scenario("p5_saver", "SGLang's memory saver: release/resume by tags", start + 60, self.p5_saver)
         finally:
+            for d in self.daemons:
+                d.stop(60)
             for inst in self.instances.values():
                 if inst.state.value not in ("stopped", "failed"):
                     try:

@@ -30,10 +30,12 @@ from ..errors import (EXIT_GAVE_UP, EXIT_OK, EXIT_PRECONDITIONS, EXIT_TAKEOVER_F
                       StartError, SupervisorError, TakeoverFailed)
 from ..checks.preconditions import Requirement
 from .backends import Backends
+from . import parked
 from .lock import TransitionLock
 from .outcome import Job, Outcome
+from .parking import Parker
 from .preflight import validate
-from .transition import Transition
+from .transition import LocalTransition, Transition
 
 #: exit codes the unit tells systemd not to retry (a bad profile, a refusal, a failed takeover):
 #: a restart that ends so keeps its code; any other failure of a restart asked for over D-Bus is
@@ -155,7 +157,13 @@ class InstanceController:
 
     async def stop(self, why: str = "stop requested") -> Outcome:
         async with self._verb:
-            took = await self.instance.stop(why)
+            if self.parker is not None and self.profile.name in self.parker.parked:
+                began = time.monotonic()
+                await self.parker.stop(self.instance, why)  # a parked stop leaves nothing behind
+                parked.remove(self.cfg.runtime_dir, self.profile.name)
+                took = time.monotonic() - began
+            else:
+                took = await self.instance.stop(why)
         outcome = Outcome.done(f"stopped in {took:.1f} s")
         if self._stop_job is not None:
             self._stop_job.finish(outcome)
@@ -200,6 +208,53 @@ class InstanceController:
         if proc.state != State.READY:
             return Outcome.failed(f"{name} is {proc.state.value}: {proc.last_exit}")
         return Outcome.done(f"{name} restarted")
+
+    # ------------------------------------------------------------------ park, restore (issue 39)
+
+    #: set by the assembly (daemon.py) where a checkpointer exists; else why parking is refused
+    parker: Parker | None = None
+    no_parking = "parking is not available in this daemon"
+
+    async def park(self, next_name: str) -> Outcome:
+        """Park this instance for `next_name` (controller/parking.py): drained, liveness paused,
+        its CUDA processes in host memory, the GPUs verified at their baseline; recorded so that
+        the next profile's takeover leaves it (controller/parked.py). Refused, nothing touched."""
+        if self.parker is None:
+            return Outcome("refused", f"refusing to park {self.profile.name}: {self.no_parking}", 3)
+        async with self._verb:
+            try:
+                from ..config.loader import load_profile
+
+                next_profile = await asyncio.to_thread(load_profile, self.cfg, next_name)
+                record = await self.parker.park(self.instance, next_profile)
+            except SupervisorError as e:
+                return Outcome.of(e)
+            parked.write(self.cfg.runtime_dir, record)
+        return Outcome.done(f"parked in {record.took_s:.1f} s: {record.describe()}")
+
+    async def restore(self) -> Outcome:
+        """The switch back: the transition lock; our instances on this profile's GPUs or ports
+        stopped and the GPUs verified idle (LocalTransition.clear_gpus_for_restore); then restored
+        and one generation answered, or stopped and started cold, said so."""
+        if self.parker is None or self.profile.name not in self.parker.parked:
+            return Outcome("refused", f"{self.profile.name} is {self.instance.state.value}, not parked", 3)
+        parker = self.parker
+        async with self._verb:
+            try:
+                if not isinstance(self.transition, LocalTransition):
+                    raise PreconditionError(f"{self.profile.name} spans nodes: parking is one machine's")
+                await self._acquire_lock()
+                await self.transition.clear_gpus_for_restore(self.instance.set_transition)
+                self.instance.set_transition("")
+                verdict = await parker.restore(self.instance, self.instance.start)
+            except SupervisorError as e:
+                self.instance.set_transition("")
+                return Outcome.of(e)
+            finally:
+                self.lock.release()
+                if self.profile.name not in parker.parked:
+                    parked.remove(self.cfg.runtime_dir, self.profile.name)
+        return Outcome.done(verdict.say)
 
     def request_stop(self) -> Job:
         """SIGTERM, D-Bus Stop: the life loop stops the instance (in order) and the daemon exits 0.
