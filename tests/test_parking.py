@@ -324,3 +324,53 @@ def test_without_driver_api_or_utility_parking_says_why_in_one_line(monkeypatch:
     assert str(info.value) == ("no way to park on this machine: no CUDA driver library (/nonexistent/libcuda.so.1: "
                                "/nonexistent/libcuda.so.1: cannot open shared object file: No such file or directory); "
                                "no cuda-checkpoint on PATH")
+
+
+# ----------------------------------------------------------------------------- the next profile's takeover
+
+
+def two_profiles(tmp_path: Any) -> tuple[Any, Any, int, int]:
+    import textwrap
+
+    from supervisord_gpu.config.loader import load_daemon_config, load_profile
+    from support import free_ports
+
+    pa, pb = free_ports(2)
+    etc = tmp_path / "etc"
+    (etc / "profiles").mkdir(parents=True)
+    (etc / "supervisord-gpu.toml").write_text(textwrap.dedent(f"""
+        [daemon]
+        runtime_dir = "{tmp_path / 'run'}"
+        cache_dir = "{tmp_path / 'cache'}"
+        default_user = "root"
+        [gpus]
+        backend = "simulated"
+        """))
+    for name, port in (("alpha", pa), ("beta", pb)):
+        (etc / "profiles" / f"{name}.toml").write_text(f'[servers.main]\ngpus = [0]\nport = {port}\nmodel_path = "/m"\n')
+    cfg = load_daemon_config(etc)
+    return cfg, load_profile(cfg, "beta"), pa, pb
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the runtime directory must be root's (config/trust.py)")
+def test_the_next_profiles_takeover_leaves_a_parked_instance_alone_unless_it_holds_a_port(tmp_path: Any) -> None:
+    from supervisord_gpu.controller import parked
+    from supervisord_gpu.controller.takeover import find_conflicts
+    from supervisord_gpu.parking.decisions import ParkedProfile
+
+    cfg, beta, pa, pb = two_profiles(tmp_path)
+    units = SimpleNamespace(instances=lambda: [SimpleNamespace(instance="alpha", active="active")])
+    nobody = SimpleNamespace(running=lambda: [])
+
+    def in_the_way() -> list[str]:
+        return [c.instance for c in find_conflicts(beta, cfg, units, nobody)]  # type: ignore[arg-type]
+
+    assert in_the_way() == ["alpha"], "running, on GPU 0: stopped by beta's start"
+    parked.write(cfg.runtime_dir, ParkedProfile("alpha", "fake", [], 0, 0.0, ports=[pa]))
+    assert in_the_way() == [], "parked: it holds nothing beta needs"
+    os.chmod(cfg.runtime_dir / "parked" / "alpha.json", 0o666)
+    assert in_the_way() == ["alpha"], "a record anyone may write is no record"
+    parked.write(cfg.runtime_dir, ParkedProfile("alpha", "fake", [], 0, 0.0, ports=[pb]))
+    assert in_the_way() == ["alpha"], "parked on a port beta needs: still in the way"
+    parked.remove(cfg.runtime_dir, "alpha")
+    assert in_the_way() == ["alpha"]
