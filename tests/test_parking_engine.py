@@ -35,8 +35,9 @@ def server(port: int) -> str:
 def rig(tmp_path, cgroups):  # type: ignore[no-untyped-def]
     pa, pb = free_ports(2)
     cdir = write_config(tmp_path, {"a": server(pa), "b": server(pb)}, cgroups.root, startup=0.3)
-    a, _ = make_instance(cdir, "a")
+    a, cfg = make_instance(cdir, "a")
     b, _ = make_instance(cdir, "b")
+    rig.cfg = cfg  # type: ignore[attr-defined]
     sim = SimulatedGpus(tmp_path / "simgpu")
     said: list[str] = []
     parker = Parker(SimulatedCheckpointer(sim), SimulatedInventory(sim, 0), lambda m, _p: said.append(m),
@@ -144,3 +145,42 @@ def test_a_park_refused_for_host_memory_leaves_it_serving(tmp_path, cgroups):
     said = asyncio.run(go())
     assert said == ("ParkRefused: refusing to park a: host memory available 2.1 GB, needed 1.0 GB to park "
                     "+ 4.3 GB margin")
+
+
+def test_park_and_restore_through_the_controller(tmp_path, cgroups):
+    """The daemon's verbs (what D-Bus Park and Restore run): the parked record written and removed,
+    a park for a profile that needs the parked one's port refused, nothing touched."""
+    from supervisord_gpu.controller import parked
+    from supervisord_gpu.controller.controller import InstanceController
+    from supervisord_gpu.controller.lock import TransitionLock
+    from supervisord_gpu.controller.registry import Registry
+    from supervisord_gpu.controller.transition import LocalTransition
+    from supervisord_gpu.daemon import backends_for
+
+    a, b, sim, parker, said = rig(tmp_path, cgroups)
+    cfg = rig.cfg  # type: ignore[attr-defined]
+    backends = backends_for(cfg)
+    transition = LocalTransition(a.profile, cfg, backends, lambda m, _p, _e: said.append(m), None, Registry(cfg.runtime_dir))
+    ctl = InstanceController(cfg, a.profile, a, backends, lambda m, _p, _e: said.append(m), transition,
+                             TransitionLock(cfg.runtime_dir, "a"))
+    ctl.parker = parker
+
+    async def go() -> None:
+        assert (await ctl.start()).ok
+        out = await ctl.park("a")  # a profile on the parked one's own port
+        assert out.state == "refused" and out.exit_code == 3 and "keeps listening on while parked" in out.reason
+        assert a.state == InstanceState.READY and parked.parked(cfg.runtime_dir) == {}
+        out = await ctl.park("b")
+        assert out.ok and out.reason.startswith("parked in "), out.reason
+        assert list(parked.parked(cfg.runtime_dir)) == ["a"]
+        await b.start()
+        await b.stop()
+        out = await ctl.restore()
+        assert out.ok and "restored and serving" in out.reason, out.reason
+        assert parked.parked(cfg.runtime_dir) == {} and a.state == InstanceState.READY
+        await ctl.park("b")
+        await ctl.stop()  # a parked stop, through the Parker: nothing left behind
+
+    asyncio.run(go())
+    assert a.state == InstanceState.STOPPED and parked.parked(cfg.runtime_dir) == {}
+    assert sim_holders(tmp_path) == [] and parked_files(sim) == [] and cgroups.all_pids() == []
