@@ -178,7 +178,10 @@ def test_park_and_restore_through_the_controller(tmp_path, cgroups):
         out = await ctl.restore()
         assert out.ok and "restored and serving" in out.reason, out.reason
         assert parked.parked(cfg.runtime_dir) == {} and a.state == InstanceState.READY
-        await ctl.park("b")
+        assert (await ctl.park("b")).ok
+        out = await ctl.restart()  # a restart of a parked instance: stopped through the Parker, started cold
+        assert out.ok and parked.parked(cfg.runtime_dir) == {} and parked_files(sim) == [], out.reason
+        assert (await ctl.park("b")).ok
         await ctl.stop()  # a parked stop, through the Parker: nothing left behind
 
     asyncio.run(go())

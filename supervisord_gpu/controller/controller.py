@@ -157,17 +157,21 @@ class InstanceController:
 
     async def stop(self, why: str = "stop requested") -> Outcome:
         async with self._verb:
-            if self.parker is not None and self.profile.name in self.parker.parked:
-                began = time.monotonic()
-                await self.parker.stop(self.instance, why)  # a parked stop leaves nothing behind
-                parked.remove(self.cfg.runtime_dir, self.profile.name)
-                took = time.monotonic() - began
-            else:
-                took = await self.instance.stop(why)
+            took = await self._stop_instance(why)
         outcome = Outcome.done(f"stopped in {took:.1f} s")
         if self._stop_job is not None:
             self._stop_job.finish(outcome)
         return outcome
+
+    async def _stop_instance(self, why: str) -> float:
+        """The instance's stop; a parked one's through its Parker, and its parked record removed
+        (a stop leaves nothing behind, and no record that would make a takeover pass it by)."""
+        if self.parker is None or self.profile.name not in self.parker.parked:
+            return await self.instance.stop(why)
+        began = time.monotonic()
+        await self.parker.stop(self.instance, why)
+        parked.remove(self.cfg.runtime_dir, self.profile.name)
+        return time.monotonic() - began
 
     async def restart(self) -> Outcome:
         """Stop every process, then the whole start path again (not a shortcut around it).
@@ -177,7 +181,7 @@ class InstanceController:
         start, the start is cancelled as a stop while starting cancels it (what had started is
         stopped), so the stop is answered in its stop budget, not after the servers loaded."""
         async with self._verb:
-            await self.instance.stop("restart requested")
+            await self._stop_instance("restart requested")
             if self.stop_requested.is_set():
                 return Outcome.failed("not started again: a stop was requested during the restart")
             starting = self._restarting = asyncio.ensure_future(self._start())

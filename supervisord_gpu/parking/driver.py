@@ -131,5 +131,6 @@ class DriverCheckpointer:
                                   "a state this supervisor does not know") from None
 
     def host_bytes(self, pid: int) -> int:
-        """The driver does not say; the parker measures the process's RSS growth instead."""
+        """The driver does not say: the Parker then counts the bytes the GPU listed for the PID
+        (cuda-checkpoint copies all of them), and the device script measures the RSS growth."""
         return 0
