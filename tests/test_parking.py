@@ -374,3 +374,73 @@ def test_the_next_profiles_takeover_leaves_a_parked_instance_alone_unless_it_hol
     assert in_the_way() == ["alpha"], "parked on a port beta needs: still in the way"
     parked.remove(cfg.runtime_dir, "alpha")
     assert in_the_way() == ["alpha"]
+
+
+class FakeLibcuda:
+    """libcuda of driver 580 as ctypes sees it: each call records its arguments; the states follow
+    the driver's rules; an error answers CUDA_ERROR_OUT_OF_MEMORY (2) by name."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, Any]] = []
+        self.state = 0
+        self.fail = ""
+        for name in [n for n in dir(type(self)) if n.startswith("cu")]:  # plain functions: ctypes sets restype on them
+            bound = getattr(self, name)
+            setattr(self, name, lambda *a, _m=bound: _m(*a))
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(name)
+
+    def cuDriverGetVersion(self, out: Any) -> int:  # noqa: N802
+        out._obj.value = 13000
+        return 0
+
+    def cuInit(self, flags: int) -> int:  # noqa: N802
+        self.calls.append(("cuInit", flags, None))
+        return 0
+
+    def cuGetErrorName(self, rc: int, out: Any) -> int:  # noqa: N802
+        out._obj.value = b"CUDA_ERROR_OUT_OF_MEMORY" if rc == 2 else b"CUDA_ERROR_UNKNOWN"
+        return 0
+
+    def _op(self, name: str, pid: int, args: Any, then: int) -> int:
+        self.calls.append((name, pid, args))
+        if self.fail == name:
+            return 2
+        self.state = then
+        return 0
+
+    def cuCheckpointProcessLock(self, pid: int, args: Any) -> int:  # noqa: N802
+        return self._op("lock", pid, args._obj.timeoutMs, 1)
+
+    def cuCheckpointProcessCheckpoint(self, pid: int, args: Any) -> int:  # noqa: N802
+        return self._op("checkpoint", pid, args, 2)
+
+    def cuCheckpointProcessRestore(self, pid: int, args: Any) -> int:  # noqa: N802
+        return self._op("restore", pid, args, 1)
+
+    def cuCheckpointProcessUnlock(self, pid: int, args: Any) -> int:  # noqa: N802
+        return self._op("unlock", pid, args, 0)
+
+    def cuCheckpointProcessGetState(self, pid: int, out: Any) -> int:  # noqa: N802
+        out._obj.value = self.state
+        return 0
+
+
+def test_driver_api_calls_in_the_drivers_order_with_null_args_and_names_its_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    lib = FakeLibcuda()
+    monkeypatch.setattr(ctypes, "CDLL", lambda path: lib)
+    d = DriverCheckpointer.open()
+    d.lock(42, 30_000)
+    d.checkpoint(42)
+    assert d.state(42) == CheckpointState.CHECKPOINTED
+    d.restore(42)
+    d.unlock(42)
+    assert [c[:2] for c in lib.calls] == [("cuInit", 0), ("lock", 42), ("checkpoint", 42), ("restore", 42), ("unlock", 42)]
+    assert lib.calls[1][2] == 30_000 and lib.calls[2][2] is None, "the lock's timeout sent; the other args NULL"
+    lib.fail = "restore"
+    with pytest.raises(CheckpointError, match=r"cuCheckpointProcessRestore\(pid 42\) failed: CUDA_ERROR_OUT_OF_MEMORY"):
+        d.restore(42)
+    lib.state = 7
+    with pytest.raises(CheckpointError, match="answered 7, a state this supervisor does not know"):
+        d.state(42)
