@@ -21,6 +21,7 @@ from .config.model import DaemonConfig, Profile
 from .config.render import Programs, render
 from .controller.backends import Backends
 from .controller.controller import InstanceController
+from .controller import parked
 from .controller.lock import TransitionLock
 from .controller.registry import Registry
 from .controller.transition import ClusterTransition, LocalTransition, Transition
@@ -58,6 +59,22 @@ def programs_for(cfg: DaemonConfig) -> Programs:
 
         return stand_ins(cfg)
     return Programs.of(cfg)
+
+
+def parker_for(cfg: DaemonConfig, backends: Backends, inventory: Any,
+               say: Callable[[str, int, str], None]) -> tuple[Any, str]:
+    """The Parker on this machine's mechanism (parking.open_checkpointer: the simulated GPUs' in a
+    rehearsal, else the CUDA driver API, else cuda-checkpoint), or None and the one line why not."""
+    from .checks.gpus import simgpu_dir
+    from .controller.parking import Parker
+    from .parking import open_checkpointer
+    from .parking.checkpointer import CheckpointUnavailable
+
+    try:
+        checkpointer = open_checkpointer(str(simgpu_dir(cfg)) if backends.rehearsal else None)
+    except CheckpointUnavailable as e:
+        return None, str(e)
+    return Parker(checkpointer, inventory, lambda message, priority: say(message, priority, "park")), ""
 
 
 def backends_for(cfg: DaemonConfig) -> Backends:
@@ -171,11 +188,14 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
             on_transition=exporter.transition_observed if exporter else None,
             wrap_preflight=exporter.counting_preflight if exporter else None,
         )
+        if instance.gate is None:  # parking is one machine's (issue 39); the mechanism chosen once, here
+            controller.parker, controller.no_parking = parker_for(cfg, backends, inventory, say)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, controller.request_stop)
         if opts.stopped_early():
             controller.request_stop()
         bus = start_bus(cfg, profile, controller, opts, sink)
+        parked.remove(cfg.runtime_dir, profile.name)  # a record of a life before this one parks nothing
         records.register(profile, instance.owner.name)
         on_ready = (lambda: opts.on_ready(instance)) if opts.on_ready else None  # type: ignore[misc]
         code = await controller.run(on_ready=on_ready, stop_after_ready=opts.stop_after_ready)
@@ -192,6 +212,7 @@ async def serve(cfg: DaemonConfig, profile: Profile, opts: RunOptions) -> int:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
         records.unregister(profile.name)
+        parked.remove(cfg.runtime_dir, profile.name)
         if instance.gate is not None:
             instance.gate.close()
         keepalive.cancel()

@@ -186,18 +186,24 @@ class StartLimitHit(PreconditionError):
     "start-limit-hit"). Nothing of ours ran; the message says the way back."""
 
 
+class ParkRefused(PreconditionError):
+    """Parking a profile refused before anything was touched (host memory short, with the
+    figures; nothing of it on the GPU; a port the next profile needs), or a park that failed
+    and was undone (the profile serves again). Exit 3, as every refusal."""
+
+
 #: Every error of ours, one row each: its D-Bus name (`dbus_name`) and its exit code
 #: (`exit_code`). A D-Bus method raises these; `error_for_name` maps a remote name back.
 #:
 #:     ConfigError, UsageError, UnknownProcess, UnknownJob, ArgumentTooLong   2
-#:     PreconditionError, Busy, StartLimitHit, UnitNotFound                   3
+#:     PreconditionError, Busy, StartLimitHit, UnitNotFound, ParkRefused      3
 #:     BusError                                                               4
 #:     TakeoverFailed                                                         5
 #:     GaveUp                                                                 6
 #:     StartError, OwnershipError, OperationFailed, PermissionDenied          1
 ERRORS: tuple[type[SupervisorError], ...] = (
     ConfigError, UsageError, UnknownProcess, UnknownJob, ArgumentTooLong,
-    PreconditionError, Busy, StartLimitHit, UnitNotFound,
+    PreconditionError, Busy, StartLimitHit, UnitNotFound, ParkRefused,
     BusError,
     TakeoverFailed,
     GaveUp,

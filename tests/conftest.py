@@ -68,6 +68,7 @@ FAST_MODULES = frozenset({
     "test_cli_logs",
     "test_admin_key_rules",
     "test_gpu_sharing",
+    "test_parking",
 })
 
 

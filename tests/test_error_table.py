@@ -28,7 +28,7 @@ from supervisord_gpu.cli import gpusupctl  # noqa: E402
 #: the promise of the table, written out: what each error exits with (the README's exit codes)
 EXIT_CODES = {
     "ConfigError": 2, "UsageError": 2, "UnknownProcess": 2, "UnknownJob": 2, "ArgumentTooLong": 2,
-    "PreconditionError": 3, "Busy": 3, "StartLimitHit": 3, "UnitNotFound": 3,
+    "PreconditionError": 3, "Busy": 3, "StartLimitHit": 3, "UnitNotFound": 3, "ParkRefused": 3,
     "BusError": 4, "TakeoverFailed": 5, "GaveUp": 6,
     "StartError": 1, "OwnershipError": 1, "OperationFailed": 1, "PermissionDenied": 1,
 }

@@ -21,7 +21,7 @@ FLOORS: dict[str, int] = {
     "config": 2, "systemd": 2,
     "ownership": 3,
     "checks": 4,
-    "engine": 5, "rehearsal": 5,
+    "engine": 5, "rehearsal": 5, "parking": 5,
     "cluster": 6, "metrics": 6,
     "controller": 7,
     "api": 8,

@@ -65,8 +65,10 @@ def test_every_state_is_reachable_from_the_start_state_and_has_a_way_out(moves, 
 
 
 def test_the_words_on_the_bus_are_those_of_both_tables_and_never_change():
-    assert [s.value for s in InstanceState] == ["stopped", "starting", "ready", "degraded", "stopping", "failed"]
-    assert [s.value for s in ProcessState] == ["stopped", "starting", "ready", "restarting", "stopping", "failed"]
+    assert [s.value for s in InstanceState] == ["stopped", "starting", "ready", "degraded", "stopping", "failed",
+                                                "parked"]
+    assert [s.value for s in ProcessState] == ["stopped", "starting", "ready", "restarting", "stopping", "failed",
+                                               "parked"]
     assert {s.value for s in State} == {s.value for s in InstanceState} | {s.value for s in ProcessState}
     assert InstanceState.READY == State.READY == ProcessState.READY  # old readers compare words
 

@@ -128,6 +128,11 @@ def cmd_daemon(args: argparse.Namespace) -> int:
                 name = req["name"]
                 job = c.submit(f"restart {name}", lambda: c.restart_process(name))
                 resp = {"job": job.id}
+            elif op == "park":  # issue 39 (bench/device/real_park.py): what a D-Bus Park would do
+                nxt = str(req["next"])
+                resp = {"job": c.submit("park", lambda: c.park(nxt)).id}
+            elif op == "restore":
+                resp = {"job": c.submit("restore", c.restore).id}
             elif op == "job":
                 j = c.jobs.get(int(req["id"]))
                 resp = {"state": j.state, "reason": j.reason, "started_at": j.started_at, "ended_at": j.ended_at} if j else {"error": "no job"}

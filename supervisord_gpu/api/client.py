@@ -63,6 +63,14 @@ class InstanceClient:
         """RestartProcess: its job as JSON, or the refusal as its class (UnknownProcess, Busy, ...)."""
         return json.loads(self.call("RestartProcess", "s", (process,)))
 
+    def park(self, next_profile: str) -> dict[str, Any]:
+        """Park (issue 39): its job as JSON, or the refusal as its class."""
+        return json.loads(self.call("Park", "s", (next_profile,)))
+
+    def restore(self) -> dict[str, Any]:
+        """Restore (the switch back to a parked instance): its job as JSON."""
+        return json.loads(self.call("Restore"))
+
     def job(self, job_id: int) -> dict[str, Any]:
         return json.loads(self.call("GetJob", "u", (int(job_id),)))
 

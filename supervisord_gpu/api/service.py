@@ -215,6 +215,21 @@ class InstanceObject:
         job = self._controls.submit(f"restart {name}", lambda: self._controls.controller.restart_process(name))
         return json.dumps(job.to_json())
 
+    @export("s", "s", control=True)
+    def Park(self, next_profile: str, dbus_context: Any = None) -> str:
+        """Park this instance for the profile NEXT (issue 39): drained, liveness paused, its CUDA
+        processes in host memory, its GPUs verified at their baseline. Returns a job as JSON; it
+        ends `refused` (ParkRefused, exit 3) with the figures when it cannot be done."""
+        job = self._controls.submit("park", lambda: self._controls.controller.park(next_profile))
+        return json.dumps(job.to_json())
+
+    @export("", "s", control=True)
+    def Restore(self, dbus_context: Any = None) -> str:
+        """The switch back to this parked instance: our instances on its GPUs stopped, the GPUs
+        verified idle, restored and one generation answered (or started cold, said so). A job."""
+        job = self._controls.submit("restore", self._controls.controller.restore)
+        return json.dumps(job.to_json())
+
     @export("u", "s")
     def GetJob(self, job_id: int, dbus_context: Any = None) -> str:
         """A job's state ("running", "done", "refused", "failed") and reason, as JSON."""

@@ -22,7 +22,7 @@ INTERFACE = "org.supervisordgpu.Instance1"
 SIGNAL_STATE_CHANGED = "StateChanged"
 
 READ_METHODS = ("GetStatus", "GetProcess", "GetHistory", "GetJob", "Ping")
-CONTROL_METHODS = ("Stop", "Restart", "RestartProcess")
+CONTROL_METHODS = ("Stop", "Restart", "RestartProcess", "Park", "Restore")
 
 
 def escape(instance: str) -> str:

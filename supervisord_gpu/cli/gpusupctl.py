@@ -80,6 +80,8 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--from", dest="from_", metavar="FROM", help="the instance expected to be replaced (checked)")
     sw.add_argument("--dry-run", action="store_true", help="print the ordered plan (steps, deadlines, checks) and do nothing")
     sw.add_argument("--wait", action="store_true", help="follow progress live until TO is ready or failed")
+    sw.add_argument("--park", action="store_true",
+                    help="park the instances in TO's way in host memory instead of stopping them; `switch` back restores")
     sw.add_argument("--timeout", type=float, default=1800.0, metavar="SECONDS")
     _config_arg(sw)
 
@@ -633,6 +635,10 @@ def cmd_switch(args: argparse.Namespace) -> int:
         units: Systemd | None = Systemd()
     except BusError:
         units = None
+    from ..controller import parked
+
+    if args.to in parked.parked(cfg.runtime_dir):
+        return _switch_back(args)
     transition = LocalTransition(profile, cfg, backends, lambda _m, _p, _e: None, units, Registry(cfg.runtime_dir))
     plan = asyncio.run(transition.plan(how, warn=(lambda m: print(m, file=sys.stderr)) if args.dry_run else None))
     if args.from_ and args.from_ not in {c.instance for c in plan.conflicts}:
@@ -644,7 +650,50 @@ def cmd_switch(args: argparse.Namespace) -> int:
         raise BusError("switch needs systemd over D-Bus; without systemd, run `supervisord-gpu run "
                        f"{args.to}`: it takes over instances registered in {cfg.runtime_dir}")
     print(plan.render())
+    if args.park:
+        code = _park_in_the_way([c.instance for c in plan.conflicts], args.to, args.timeout)
+        if code:
+            return code
     return _run_unit_job("start", args.to, args.wait, args.timeout)
+
+
+def _follow(client: object, job: dict[str, object], what: str, timeout: float) -> int:
+    """A daemon's job (Park, Restore) followed to its end: 0 done, else its own exit code."""
+    end = client.follow_job(job, timeout, print)  # type: ignore[attr-defined]
+    if end.get("state") == "done":
+        print(f"{what}: {end.get('reason')}")
+        return 0
+    print(f"{PROG}: {what}: {end.get('state')}: {end.get('reason')}", file=sys.stderr)
+    code = end.get("exit_code")
+    return code if isinstance(code, int) and code else 1
+
+
+def _park_in_the_way(instances: list[str], to: str, timeout: float) -> int:
+    """`switch TO --park`: each instance in TO's way parked by its own daemon (D-Bus Park, a job
+    followed to its end) before TO starts; TO's takeover then leaves them (controller/parked.py)."""
+    from ..api.client import InstanceClient
+    from ..systemd.manager import connect
+
+    for name in instances:
+        client = InstanceClient(connect(), name)
+        code = _follow(client, client.park(to), f"park dsv4@{name}", timeout)
+        if code:
+            return code
+    return 0
+
+
+def _switch_back(args: argparse.Namespace) -> int:
+    """`switch TO` where TO is parked: its daemon's Restore (what is on its GPUs stopped, the GPUs
+    verified idle, restored, one generation; or started cold, said so)."""
+    from ..api.client import InstanceClient
+    from ..systemd.manager import connect
+
+    if args.dry_run:
+        print(f"plan: switch back to the parked {args.to}: stop our instances on its GPUs, verify them idle, "
+              "restore its CUDA processes from host memory, one generation, route to it again")
+        return 0
+    client = InstanceClient(connect(), args.to)
+    return _follow(client, client.restore(), f"restore dsv4@{args.to}", args.timeout)
 
 
 def _switch_cluster(args: argparse.Namespace) -> int:

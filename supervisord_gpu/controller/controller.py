@@ -30,10 +30,12 @@ from ..errors import (EXIT_GAVE_UP, EXIT_OK, EXIT_PRECONDITIONS, EXIT_TAKEOVER_F
                       StartError, SupervisorError, TakeoverFailed)
 from ..checks.preconditions import Requirement
 from .backends import Backends
+from . import parked
 from .lock import TransitionLock
 from .outcome import Job, Outcome
+from .parking import Parker
 from .preflight import validate
-from .transition import Transition
+from .transition import LocalTransition, Transition
 
 #: exit codes the unit tells systemd not to retry (a bad profile, a refusal, a failed takeover):
 #: a restart that ends so keeps its code; any other failure of a restart asked for over D-Bus is
@@ -155,11 +157,21 @@ class InstanceController:
 
     async def stop(self, why: str = "stop requested") -> Outcome:
         async with self._verb:
-            took = await self.instance.stop(why)
+            took = await self._stop_instance(why)
         outcome = Outcome.done(f"stopped in {took:.1f} s")
         if self._stop_job is not None:
             self._stop_job.finish(outcome)
         return outcome
+
+    async def _stop_instance(self, why: str) -> float:
+        """The instance's stop; a parked one's through its Parker, and its parked record removed
+        (a stop leaves nothing behind, and no record that would make a takeover pass it by)."""
+        if self.parker is None or self.profile.name not in self.parker.parked:
+            return await self.instance.stop(why)
+        began = time.monotonic()
+        await self.parker.stop(self.instance, why)
+        parked.remove(self.cfg.runtime_dir, self.profile.name)
+        return time.monotonic() - began
 
     async def restart(self) -> Outcome:
         """Stop every process, then the whole start path again (not a shortcut around it).
@@ -169,7 +181,7 @@ class InstanceController:
         start, the start is cancelled as a stop while starting cancels it (what had started is
         stopped), so the stop is answered in its stop budget, not after the servers loaded."""
         async with self._verb:
-            await self.instance.stop("restart requested")
+            await self._stop_instance("restart requested")
             if self.stop_requested.is_set():
                 return Outcome.failed("not started again: a stop was requested during the restart")
             starting = self._restarting = asyncio.ensure_future(self._start())
@@ -200,6 +212,53 @@ class InstanceController:
         if proc.state != State.READY:
             return Outcome.failed(f"{name} is {proc.state.value}: {proc.last_exit}")
         return Outcome.done(f"{name} restarted")
+
+    # ------------------------------------------------------------------ park, restore (issue 39)
+
+    #: set by the assembly (daemon.py) where a checkpointer exists; else why parking is refused
+    parker: Parker | None = None
+    no_parking = "parking is not available in this daemon"
+
+    async def park(self, next_name: str) -> Outcome:
+        """Park this instance for `next_name` (controller/parking.py): drained, liveness paused,
+        its CUDA processes in host memory, the GPUs verified at their baseline; recorded so that
+        the next profile's takeover leaves it (controller/parked.py). Refused, nothing touched."""
+        if self.parker is None:
+            return Outcome("refused", f"refusing to park {self.profile.name}: {self.no_parking}", 3)
+        async with self._verb:
+            try:
+                from ..config.loader import load_profile
+
+                next_profile = await asyncio.to_thread(load_profile, self.cfg, next_name)
+                record = await self.parker.park(self.instance, next_profile)
+            except SupervisorError as e:
+                return Outcome.of(e)
+            parked.write(self.cfg.runtime_dir, record)
+        return Outcome.done(f"parked in {record.took_s:.1f} s: {record.describe()}")
+
+    async def restore(self) -> Outcome:
+        """The switch back: the transition lock; our instances on this profile's GPUs or ports
+        stopped and the GPUs verified idle (LocalTransition.clear_gpus_for_restore); then restored
+        and one generation answered, or stopped and started cold, said so."""
+        if self.parker is None or self.profile.name not in self.parker.parked:
+            return Outcome("refused", f"{self.profile.name} is {self.instance.state.value}, not parked", 3)
+        parker = self.parker
+        async with self._verb:
+            try:
+                if not isinstance(self.transition, LocalTransition):
+                    raise PreconditionError(f"{self.profile.name} spans nodes: parking is one machine's")
+                await self._acquire_lock()
+                await self.transition.clear_gpus_for_restore(self.instance.set_transition)
+                self.instance.set_transition("")
+                verdict = await parker.restore(self.instance, self.instance.start)
+            except SupervisorError as e:
+                self.instance.set_transition("")
+                return Outcome.of(e)
+            finally:
+                self.lock.release()
+                if self.profile.name not in parker.parked:
+                    parked.remove(self.cfg.runtime_dir, self.profile.name)
+        return Outcome.done(verdict.say)
 
     def request_stop(self) -> Job:
         """SIGTERM, D-Bus Stop: the life loop stops the instance (in order) and the daemon exits 0.

@@ -20,6 +20,7 @@ from ..config.loader import load_profile
 from ..config.model import DaemonConfig, Profile
 from ..errors import ConfigError, PreconditionError, SupervisorError
 from ..names import service_name
+from . import parked
 from .registry import Registry
 from .units import Units
 
@@ -85,10 +86,13 @@ def find_conflicts(profile: Profile, cfg: DaemonConfig, units: Units | None, reg
         candidates.setdefault(rec.instance, f"pid {rec.pid}")
     wanted_gpus = set(profile.gpus)
     wanted_ports = {listen.port for listen in profile.listens()}
+    parked_now = parked.parked(cfg.runtime_dir)
     out = []
     for name, via in sorted(candidates.items()):
         if name == profile.name:
             continue
+        if name in parked_now and not set(parked_now[name]) & wanted_ports:
+            continue  # parked (controller/parked.py): it holds none of the GPUs, and none of the ports
         try:
             other = load_profile(cfg, name)
             gpus, ports = set(other.gpus), {listen.port for listen in other.listens()}

@@ -123,6 +123,24 @@ class LocalTransition:
             self.say(f"GPUs {sorted(profile.gpus)} verified idle and ports free in {loop.time() - began:.3f} s", 6,
                      "transition")
 
+    async def clear_gpus_for_restore(self, progress: Progress) -> None:
+        """The switch back to a parked profile (controller/parking.py): our instances on its GPUs
+        or ports stopped, as a switch stops them, then its GPUs verified idle. Its ports are not
+        waited for: its own front ends hold them, parked, and parking refused any profile that
+        needed them. A holder not ours is never stopped: the wait then times out and says who."""
+        self.stopped = []
+        conflicts = await asyncio.to_thread(takeover.find_conflicts, self.profile, self.cfg, self.units, self.registry)
+        for c in conflicts:
+            progress(f"stopping dsv4@{c.instance}")
+            took = await takeover.stop_instance(c, c.stop_deadline_s, self.units, self.registry)
+            self.stopped.append(c)
+            self.say(f"transition: dsv4@{c.instance} stopped in {took:.2f} s (switching back to the parked "
+                     f"{self.profile.name})", 6, "transition")
+        progress("waiting for GPUs idle")
+        await wait_until_clear(Requirement(gpus=frozenset(self.profile.gpus)), self.backends.inventory,
+                               self.cfg.gpus.wait_idle_timeout_s)
+        self.stopped = []  # nothing to roll back: a restore that fails starts this profile cold
+
     async def roll_back(self, error: SupervisorError, reason: str) -> str | None:
         if not self.stopped:
             return None

@@ -13,7 +13,7 @@ from .. import records
 import os
 import time
 from ..records import dataclass, field
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
 from ..config.model import ProcessSpec, Profile
@@ -105,6 +105,8 @@ class Instance:
         self._sharing = {u.name for users in sharers(profile.processes).values() for u in users}
         self._gpu_turn = asyncio.Lock()
         self.failed = asyncio.Event()  # set when the instance gives up (restart limit)
+        #: while parked: each server's router API, to route to it again on restore
+        self._parked_workers: dict[str, RouterWorkers | None] = {}
 
     # ------------------------------------------------------------------ events and status
 
@@ -285,6 +287,54 @@ class Instance:
             GPUSUP_DURATION_S=f"{self.last_stop_s:.3f}",
         )
         return self.last_stop_s
+
+    # ------------------------------------------------------------------ parking
+
+    async def park(self, suspend: Callable[[], Awaitable[str]]) -> None:
+        """Take it out of traffic, pause every process's liveness, then `suspend` (the
+        controller's checkpoint and baseline check, controller/parking.py), which returns the
+        reason to show ("parked: 0 MiB on the GPU, 21.7 GB host ..."). A `suspend` that raises
+        leaves it as it was: liveness and traffic back, READY, the error raised on.
+
+        The engine knows nothing of checkpoints (parking/ is its own package): it only owns
+        what parking means to supervision, which is: no requests routed, no liveness, its own."""
+        async with self._lock:
+            if self.state != InstanceState.READY:
+                raise PreconditionError(f"{self.name} is {self.state.value}, not ready: it is not parked")
+            workers: dict[str, RouterWorkers | None] = {}
+            for proc in self.processes.values():
+                if proc.spec.kind != "router":
+                    workers[proc.name] = await self._out_of_traffic(proc)
+                    if workers[proc.name] is None and proc.exit_code is None:
+                        await wait_drained(proc.spec, proc.spec.stop_timeout_s)
+            for proc in self.processes.values():
+                proc.park("parking")
+            try:
+                reason = await suspend()
+            except BaseException:
+                await self._unpark(workers, "park failed: brought back")
+                raise
+            self._parked_workers = workers
+            self._set_state(InstanceState.PARKED, reason)
+
+    async def resume(self, restore: Callable[[], Awaitable[None]]) -> None:
+        """`restore` (the controller's restore and one generation), then liveness and traffic
+        back, READY. A `restore` that raises leaves it PARKED: the caller stops it and starts it
+        cold (controller/parking.py says so)."""
+        async with self._lock:
+            if self.state != InstanceState.PARKED:
+                raise PreconditionError(f"{self.name} is {self.state.value}, not parked: nothing to restore")
+            await restore()
+            await self._unpark(self._parked_workers, "restored")
+            self._parked_workers = {}
+            self._set_state(InstanceState.READY, "restored")
+
+    async def _unpark(self, workers: Mapping[str, RouterWorkers | None], detail: str) -> None:
+        for proc in self.processes.values():
+            if proc.state == ProcessState.PARKED:
+                proc.unpark(detail)
+        for name, w in workers.items():
+            await self._back_in_traffic(self.processes[name], w)
 
     # ------------------------------------------------------------------ restarts
 

@@ -704,6 +704,20 @@ class ManagedProcess:
         """The instance gave up on it; `last_exit` keeps saying how it ended."""
         self._set_state(ProcessState.FAILED, why)
 
+    def park(self, detail: str) -> None:
+        """Its instance parks (controller/parking.py): liveness paused before any CUDA call of
+        it is locked, so a scheduler that cannot answer while parked is never taken for dead."""
+        if self._liveness is not None:
+            self._liveness.cancel()
+            self._liveness = None
+        self._set_state(ProcessState.PARKED, detail)
+
+    def unpark(self, detail: str) -> None:
+        """Restored (or a park that failed, brought back): ready again, liveness resumed."""
+        self._set_state(ProcessState.READY, detail)
+        if self.spawned is not None and not self._exited.is_set():
+            self._start_liveness()
+
 
 class RanSince:
     """Whether the processes of a cgroup other than its main one (SGLang's schedulers and

@@ -27,6 +27,7 @@ class InstanceState(enum.StrEnum):
     DEGRADED = "degraded"  # ready once; a process is restarting
     STOPPING = "stopping"
     FAILED = "failed"  # gave up (a failed start, the restart limit); started again only by a start
+    PARKED = "parked"  # its CUDA processes checkpointed into host memory: 0 MiB on the GPU (parking/)
 
     def __str__(self) -> str:
         return self.value
@@ -39,6 +40,7 @@ class ProcessState(enum.StrEnum):
     RESTARTING = "restarting"  # died after ready (or asked to restart): waiting for its backoff or readiness
     STOPPING = "stopping"
     FAILED = "failed"  # the instance gave up on it; `last_exit` says how it ended
+    PARKED = "parked"  # its instance is parked: alive, no liveness, its GPU memory in host memory
 
     def __str__(self) -> str:
         return self.value
@@ -57,6 +59,7 @@ class State(enum.StrEnum):
     RESTARTING = "restarting"
     STOPPING = "stopping"
     FAILED = "failed"
+    PARKED = "parked"
 
     def __str__(self) -> str:
         return self.value
@@ -73,7 +76,8 @@ INSTANCE_MOVES: Mapping[InstanceState, frozenset[InstanceState]] = {
     # STARTING again: the preflight passed ("checking" is over); STOPPED: stopped while starting
     _I.STARTING: frozenset({_I.STARTING, _I.READY, _I.FAILED, _I.STOPPED}),
     # DEGRADED: a process restarts; STOPPING: a stop, or giving up on a crash the policy refuses
-    _I.READY: frozenset({_I.DEGRADED, _I.STOPPING}),
+    # PARKED: drained and checkpointed into host memory (parking/, controller/parking.py)
+    _I.READY: frozenset({_I.DEGRADED, _I.STOPPING, _I.PARKED}),
     # DEGRADED again: another process restarts too; READY: every process is ready again
     _I.DEGRADED: frozenset({_I.DEGRADED, _I.READY, _I.STOPPING}),
     # FAILED: the last step of giving up (everything is stopped first)
@@ -81,6 +85,9 @@ INSTANCE_MOVES: Mapping[InstanceState, frozenset[InstanceState]] = {
     # FAILED again: the controller's words for a failed start (what was rolled back);
     # STARTING: started again; STOPPING: the stop after giving up
     _I.FAILED: frozenset({_I.FAILED, _I.STARTING, _I.STOPPING}),
+    # READY: restored and serving (or a park that failed, brought back); STOPPING: a stop of the
+    # parked profile, or the stop before a cold start when its restore failed
+    _I.PARKED: frozenset({_I.READY, _I.STOPPING}),
 }
 
 #: A process's allowed moves. Set to its own state with nothing new to say, it does not move.
@@ -92,12 +99,15 @@ PROCESS_MOVES: Mapping[ProcessState, frozenset[ProcessState]] = {
     # STOPPED: the spawn itself failed (nothing ran, nothing to stop)
     _P.STARTING: frozenset({_P.READY, _P.STOPPING, _P.STOPPED}),
     # RESTARTING: it died and the policy restarts it; STOPPING: a stop, or an operator's restart
-    _P.READY: frozenset({_P.RESTARTING, _P.STOPPING}),
+    # PARKED: its instance parks (liveness paused)
+    _P.READY: frozenset({_P.RESTARTING, _P.STOPPING, _P.PARKED}),
     # STOPPING: what is left of the dead run is killed before the backoff, or a stop
     _P.RESTARTING: frozenset({_P.READY, _P.STOPPING}),
     _P.STOPPING: frozenset({_P.STOPPED}),
     # STARTING: its instance is started again; STOPPING: the instance's stop
     _P.FAILED: frozenset({_P.STARTING, _P.STOPPING}),
+    # READY: restored (liveness resumes); STOPPING: a stop of the parked instance
+    _P.PARKED: frozenset({_P.READY, _P.STOPPING}),
 }
 
 INSTANCE_START = InstanceState.STOPPED

@@ -1,0 +1,203 @@
+"""Park a profile in host memory, switch, and bring it back: the sequence, its refusals and its
+fallback, on whichever checkpointer the assembly chose (parking/: the driver API, NVIDIA's
+utility, the rehearsal's simulated one, or a fake).
+
+    park      decide first, touching nothing: the CUDA processes of its cgroups (those the GPUs
+              list), the host memory (MemAvailable vs the bytes + a margin), the ports the next
+              profile needs; then take it out of traffic and drain as a stop does, pause its
+              liveness, lock and checkpoint each PID, verify every GPU of the profile at its
+              baseline. Any failure brings it back (restore, unlock, liveness, traffic) and refuses.
+    restore   restore and unlock each PID, one generation answered, liveness and traffic back.
+              A restore that fails (a call, or the generation) stops the profile and starts it
+              cold, and says so.
+    stop      a parked profile's stop ends its processes; the host copy goes with them (the
+              driver frees a dead process's), and the simulated one's file is removed.
+
+The engine owns what parking means to supervision (Instance.park/resume: no traffic, no
+liveness); this module owns the checkpoint and the GPU's word on it. Each decision it takes is
+a pure function of parking/decisions.py, tested in the fast tier against parking/fake.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+from ..checks.gpus import GpuInventory
+from ..config.model import Profile
+from ..engine.instance import Instance
+from ..engine.probe import request
+from ..errors import ParkRefused, PreconditionError
+from ..parking import hostmem
+from ..parking.checkpointer import Checkpointer, CheckpointError, CheckpointState
+from ..parking.decisions import (
+    ParkedProfile,
+    ParkTarget,
+    RestoreVerdict,
+    baseline_problems,
+    find_targets,
+    host_memory_refusal,
+    judge_restore,
+    nothing_to_park_refusal,
+    port_refusal,
+)
+
+#: (message, syslog priority)
+Say = Callable[[str, int], None]
+#: how long a lock may wait for the process's CUDA calls in flight (the driver's timeoutMs)
+LOCK_TIMEOUT_MS = 30_000
+GENERATION_TIMEOUT_S = 30.0
+
+
+async def one_generation(host: str, port: int, timeout: float = GENERATION_TIMEOUT_S) -> str:
+    """"" when POST /generate answers 200 (one token, greedy); else why not. The proof of
+    serving after a restore: /health would not do, it is answered by the front end alone."""
+    body = {"text": "ping", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    status, answer = await request("POST", host, port, "/generate", body, timeout=timeout)
+    if status == 200:
+        return ""
+    return f"/generate answered {status if status is not None else 'nothing'}"
+
+
+def serving_entry(profile: Profile) -> tuple[str, int]:
+    """Where one generation proves the profile serves: its router, else its first server."""
+    specs = [p for p in profile.processes if p.serves_http]
+    routers = [p for p in specs if p.kind == "router"]
+    first = (routers or specs)[0]
+    return first.probe_host, first.port
+
+
+class Parker:
+    """Parks and restores instances on one checkpointer; `mem_available` is injectable (tests)."""
+
+    def __init__(self, checkpointer: Checkpointer, inventory: GpuInventory, say: Say,
+                 mem_available: Callable[[], int | None] = hostmem.mem_available,
+                 lock_timeout_ms: int = LOCK_TIMEOUT_MS) -> None:
+        self.checkpointer, self.inventory, self.say = checkpointer, inventory, say
+        self.mem_available, self.lock_timeout_ms = mem_available, lock_timeout_ms
+        self.parked: dict[str, ParkedProfile] = {}
+
+    # ------------------------------------------------------------------ deciding
+
+    async def plan(self, instance: Instance, next_profile: Profile | None = None) -> list[ParkTarget]:
+        """The PIDs to park, or ParkRefused with the one line; touches nothing."""
+        profile = instance.profile
+        pids = {name: (p.spawned.group.pids() if p.spawned is not None else []) for name, p in instance.processes.items()}
+        states = await asyncio.to_thread(self.inventory.snapshot, sorted(profile.gpus))
+        targets = find_targets(pids, states)
+        why = nothing_to_park_refusal(instance.name, targets)
+        if not why and next_profile is not None:
+            why = port_refusal(instance.name, _ports(profile), next_profile.name, _ports(next_profile))
+        if not why:
+            why = host_memory_refusal(instance.name, sum(t.gpu_bytes for t in targets), self.mem_available())
+        if why:
+            raise ParkRefused(why)
+        return targets
+
+    # ------------------------------------------------------------------ doing
+
+    async def park(self, instance: Instance, next_profile: Profile | None = None) -> ParkedProfile:
+        targets = await self.plan(instance, next_profile)
+        began = time.monotonic()
+        record = ParkedProfile(instance.name, self.checkpointer.name, targets, 0, time.time(),
+                               ports=sorted(_ports(instance.profile)))
+
+        async def suspend() -> str:
+            done: list[int] = []
+            try:
+                for t in targets:
+                    await asyncio.to_thread(self.checkpointer.lock, t.pid, self.lock_timeout_ms)
+                    done.append(t.pid)
+                    await asyncio.to_thread(self.checkpointer.checkpoint, t.pid)
+                states = await asyncio.to_thread(self.inventory.snapshot, sorted(instance.profile.gpus))
+                problems = baseline_problems(states, [t.pid for t in targets])
+                if problems:
+                    raise CheckpointError("; ".join(problems))
+            except CheckpointError as e:
+                await self._bring_back(done)
+                raise ParkRefused(f"park of {instance.name} failed and was undone: {e}") from None
+            host = sum(self.checkpointer.host_bytes(t.pid) for t in targets)
+            record.host_bytes = host or sum(t.gpu_bytes for t in targets)
+            record.took_s = time.monotonic() - began
+            return record.describe()
+
+        await instance.park(suspend)
+        self.parked[instance.name] = record
+        self.say(f"{instance.name} parked in {record.took_s:.2f} s: {record.describe()}; GPUs "
+                 f"{sorted(instance.profile.gpus)} verified at their baseline", 6)
+        return record
+
+    async def _bring_back(self, pids: list[int]) -> None:
+        """Undo a park half done: each PID restored where checkpointed, unlocked where locked."""
+        for pid in pids:
+            try:
+                state = await asyncio.to_thread(self.checkpointer.state, pid)
+                if state == CheckpointState.CHECKPOINTED:
+                    await asyncio.to_thread(self.checkpointer.restore, pid)
+                    state = CheckpointState.LOCKED
+                if state == CheckpointState.LOCKED:
+                    await asyncio.to_thread(self.checkpointer.unlock, pid)
+            except CheckpointError as e:
+                self.say(f"pid {pid}: could not be brought back after a failed park: {e}", 3)
+
+    async def restore(self, instance: Instance, cold_start: Callable[[], Awaitable[None]],
+                      serves: Callable[[], Awaitable[str]] | None = None) -> RestoreVerdict:
+        """Restore and prove it serves; on failure stop it and `cold_start` it, and say which."""
+        record = self.parked.get(instance.name)
+        if record is None:
+            raise PreconditionError(f"{instance.name} is not parked: nothing to restore")
+        if serves is None:
+            host, port = serving_entry(instance.profile)
+
+            async def serves() -> str:
+                return await one_generation(host, port)
+
+        assert serves is not None
+        began = time.monotonic()
+        failure = {"restore": "", "serving": ""}
+
+        async def bring_back() -> None:
+            try:
+                for pid in record.pids:
+                    await asyncio.to_thread(self.checkpointer.restore, pid)
+                    await asyncio.to_thread(self.checkpointer.unlock, pid)
+            except CheckpointError as e:
+                failure["restore"] = str(e)
+                raise
+            failure["serving"] = await serves()
+            if failure["serving"]:
+                raise CheckpointError(failure["serving"])
+
+        try:
+            await instance.resume(bring_back)
+        except CheckpointError:
+            pass
+        verdict = judge_restore(instance.name, failure["restore"], failure["serving"], time.monotonic() - began)
+        del self.parked[instance.name]
+        if verdict.serve:
+            self.say(verdict.say, 6)
+            return verdict
+        self.say(verdict.say, 4)
+        await self._end(instance, record, "restore failed: starting it cold")
+        await cold_start()
+        return verdict
+
+    async def stop(self, instance: Instance, reason: str = "stopped while parked") -> None:
+        """`stop` of a parked profile: its processes ended, nothing left behind."""
+        record = self.parked.pop(instance.name, None)
+        if record is None:
+            await instance.stop(reason)
+            return
+        await self._end(instance, record, reason)
+
+    async def _end(self, instance: Instance, record: ParkedProfile, reason: str) -> None:
+        await instance.stop(reason)
+        forget = getattr(self.checkpointer, "forget", None)
+        for pid in record.pids:
+            if forget is not None:
+                forget(pid)
+
+
+def _ports(profile: Profile) -> set[int]:
+    return {listen.port for listen in profile.listens()}

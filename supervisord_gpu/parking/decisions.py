@@ -1,0 +1,147 @@
+"""The parking decisions, as pure functions of what was read: tested in milliseconds (fast tier).
+
+Which processes to park: those of the profile's own cgroups that the GPUs list as holding
+memory (NVML per process, or the simulated GPUs). SGLang's tokenizer, detokenizer and router
+hold no CUDA context; its schedulers do. A PID the GPU lists that is not in our cgroups is
+never ours to park, whatever its name.
+
+Whether the host can take it: MemAvailable against the bytes to park plus a margin, refused
+with one line naming the three figures. The bytes to park are what the GPUs say the processes
+hold (cuda-checkpoint copies all of it, the KV pool included).
+
+What a restore's outcome means: serving again, or a cold start of the profile, said so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from ..checks.gpus import GpuState
+from ..records import dataclass, field
+
+MIB = 1 << 20
+GIB = 1 << 30
+#: host memory kept free beyond the bytes parked: the kernel, the daemon, page cache under pressure
+HOST_MARGIN_MIN_BYTES = 4 * GIB
+HOST_MARGIN_FRACTION = 0.05
+
+
+def gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+@dataclass(frozen=True)
+class ParkTarget:
+    """One CUDA process of the profile: which of its processes, the PID, what it holds on GPUs."""
+
+    process: str
+    pid: int
+    gpu_bytes: int
+
+
+@dataclass
+class ParkedProfile:
+    """A parked profile as the supervisor owns it: shown by `status`, exempt from liveness,
+    never a foreign holder, ended by `stop`."""
+
+    instance: str
+    mechanism: str
+    targets: list[ParkTarget]
+    host_bytes: int
+    since: float
+    took_s: float = 0.0
+    ports: list[int] = field(default_factory=list)
+
+    @property
+    def pids(self) -> list[int]:
+        return [t.pid for t in self.targets]
+
+    def describe(self) -> str:
+        """"0 MiB on the GPU, 21.7 GB host (server pid 123), via driver-api": the instance's reason
+        while parked, so STATUS= and `gpusupctl status` read "parked: 0 MiB on the GPU, ..."."""
+        who = ", ".join(f"{t.process} pid {t.pid}" for t in self.targets)
+        return f"0 MiB on the GPU, {gb(self.host_bytes)} host ({who}), via {self.mechanism}"
+
+    def to_json(self) -> dict[str, object]:
+        return {"instance": self.instance, "mechanism": self.mechanism, "host_bytes": self.host_bytes,
+                "since": self.since, "took_s": round(self.took_s, 3), "ports": list(self.ports),
+                "pids": [{"process": t.process, "pid": t.pid, "gpu_bytes": t.gpu_bytes} for t in self.targets]}
+
+
+def find_targets(pids_by_process: Mapping[str, Iterable[int]], gpus: Iterable[GpuState]) -> list[ParkTarget]:
+    """The profile's processes the GPUs list as holders, each PID once, its bytes summed over GPUs.
+
+    A holder whose memory the driver does not report (None: MIG, no permission) counts as 0
+    bytes but is still parked: leaving it would leave the GPU held."""
+    held: dict[int, int] = {}
+    for g in gpus:
+        for p in g.processes:
+            held[p.pid] = held.get(p.pid, 0) + (p.used_mib or 0) * MIB
+    out = []
+    for process, pids in pids_by_process.items():
+        for pid in sorted(set(pids)):
+            if pid in held:
+                out.append(ParkTarget(process, pid, held[pid]))
+    return out
+
+
+def host_margin(need_bytes: int) -> int:
+    return max(HOST_MARGIN_MIN_BYTES, int(need_bytes * HOST_MARGIN_FRACTION))
+
+
+def host_memory_refusal(instance: str, need_bytes: int, available_bytes: int | None) -> str:
+    """"" when MemAvailable covers the bytes to park plus the margin; else the one line that says why not."""
+    margin = host_margin(need_bytes)
+    if available_bytes is None:
+        return f"refusing to park {instance}: host memory available is unknown (/proc/meminfo has no MemAvailable)"
+    if available_bytes < need_bytes + margin:
+        return (f"refusing to park {instance}: host memory available {gb(available_bytes)}, needed "
+                f"{gb(need_bytes)} to park + {gb(margin)} margin")
+    return ""
+
+
+def nothing_to_park_refusal(instance: str, targets: list[ParkTarget]) -> str:
+    if targets:
+        return ""
+    return f"refusing to park {instance}: none of its processes holds GPU memory (nothing to park; stop it instead)"
+
+
+def port_refusal(parked: str, parked_ports: Iterable[int], wanted: str, wanted_ports: Iterable[int]) -> str:
+    """A parked profile's front ends keep listening (only their GPU memory leaves): a profile
+    that needs one of those ports cannot start beside it."""
+    both = sorted(set(parked_ports) & set(wanted_ports))
+    if not both:
+        return ""
+    return (f"refusing to park {parked}: {wanted} needs port(s) {','.join(map(str, both))}, which {parked} "
+            "keeps listening on while parked; stop it instead")
+
+
+def baseline_problems(states: Iterable[GpuState], parked_pids: Iterable[int]) -> list[str]:
+    """After the checkpoint: each GPU of the profile must be idle. A GPU that is not is named
+    with what still holds it (a parked PID listed means the checkpoint left memory behind)."""
+    parked = set(parked_pids)
+    out = []
+    for g in states:
+        if g.idle:
+            continue
+        holders = ", ".join(f"pid {p.pid}" + (" (parked)" if p.pid in parked else "") for p in g.processes) or "no process listed"
+        out.append(f"GPU {g.index} holds {g.in_use_mib} MiB after the park ({holders})")
+    return out
+
+
+@dataclass(frozen=True)
+class RestoreVerdict:
+    """What to do after a restore: `serve` (route to it again) or `cold_start`, with the line to say."""
+
+    serve: bool
+    say: str
+
+
+def judge_restore(instance: str, restore_error: str, serving_error: str, took_s: float) -> RestoreVerdict:
+    """A restore that failed (a call, or the one generation after it) falls back to a cold start
+    of the profile, and says so; the parked processes are then stopped, never half-used."""
+    if restore_error:
+        return RestoreVerdict(False, f"restore of {instance} failed ({restore_error}); starting it cold instead")
+    if serving_error:
+        return RestoreVerdict(False, f"{instance} restored but does not serve ({serving_error}); starting it cold instead")
+    return RestoreVerdict(True, f"{instance} restored and serving in {took_s:.2f} s")

@@ -1,0 +1,103 @@
+"""The rehearsal's checkpointer: a stand-in's simulated GPU memory moved to "host memory".
+
+A stand-in server holds simulated GPU memory through a holding file per scheduler process
+(checks/simgpu.py: holders/<uid>/<pid>.json). Checkpointing a PID renames its holding to
+`.parked.<pid>.json` beside it: a name the simulated GPUs skip, so the GPU reads at its
+baseline while the process runs on, exactly what NVML shows of a checkpointed CUDA process. A
+restore renames it back, after checking the GPUs have the room again (a restore onto GPUs
+someone else filled fails, as cudaMalloc would, and the parker then cold-starts the profile).
+
+Nothing is signalled: the driver's lock blocks the process's CUDA calls, not the process, so
+its front end goes on answering; the stand-in's front end does the same. What differs: the real
+server's request waits while parked, the stand-in's is answered.
+
+The state lives in the files, not in this object: a parked holding says CHECKPOINTED to any
+reader (`gpusupctl status`, the daemon after a restart of its own); only LOCKED, which lasts
+between two calls of one park, is kept here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..checks.simgpu import SimulatedGpus, _parse_holding
+from .checkpointer import CheckpointError, CheckpointState
+
+MIB = 1 << 20
+
+
+class SimulatedCheckpointer:
+    name = "simulated"
+
+    def __init__(self, sim: SimulatedGpus) -> None:
+        self.sim = sim
+        self._locked: set[int] = set()
+
+    def _holders_dirs(self) -> list[Path]:
+        try:
+            return [Path(e.path) for e in os.scandir(self.sim.directory / "holders") if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            return []
+
+    def _find(self, pid: int, parked: bool) -> Path | None:
+        name = f".parked.{pid}.json" if parked else f"{pid}.json"
+        for d in self._holders_dirs():
+            if (d / name).is_file():
+                return d / name
+        return None
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        if self._find(pid, parked=False) is None:
+            raise CheckpointError(f"lock(pid {pid}) failed: it holds no simulated GPU memory")
+        self._locked.add(pid)
+
+    def checkpoint(self, pid: int) -> None:
+        if pid not in self._locked:
+            raise CheckpointError(f"checkpoint(pid {pid}) failed: not locked")
+        path = self._find(pid, parked=False)
+        if path is None:
+            raise CheckpointError(f"checkpoint(pid {pid}) failed: its holding is gone")
+        os.rename(path, path.with_name(f".parked.{pid}.json"))
+
+    def restore(self, pid: int) -> None:
+        path = self._find(pid, parked=True)
+        if path is None:
+            raise CheckpointError(f"restore(pid {pid}) failed: nothing parked for it")
+        parsed = _parse_holding(str(path))
+        if parsed is None:
+            raise CheckpointError(f"restore(pid {pid}) failed: its parked holding does not parse")
+        holding = parsed[0]
+        devices = {d.index: d for d in self.sim.devices()}
+        for g in holding.gpus:
+            used = sum(h.mib for h in self.sim.holders() if g in h.gpus)
+            d = devices.get(g)
+            if d is None or d.total_mib - d.reserved_mib - used < holding.mib:
+                raise CheckpointError(f"restore(pid {pid}) failed: CUDA_ERROR_OUT_OF_MEMORY (simulated GPU {g} "
+                                      f"has no room for its {holding.mib} MiB)")
+        os.rename(path, path.with_name(f"{pid}.json"))
+
+    def unlock(self, pid: int) -> None:
+        if self._find(pid, parked=True) is not None:
+            raise CheckpointError(f"unlock(pid {pid}) failed: it is checkpointed, restore it first")
+        self._locked.discard(pid)
+
+    def state(self, pid: int) -> CheckpointState:
+        if self._find(pid, parked=True) is not None:
+            return CheckpointState.CHECKPOINTED
+        return CheckpointState.LOCKED if pid in self._locked else CheckpointState.RUNNING
+
+    def host_bytes(self, pid: int) -> int:
+        path = self._find(pid, parked=True)
+        parsed = _parse_holding(str(path)) if path is not None else None
+        return parsed[0].mib * len(parsed[0].gpus) * MIB if parsed is not None else 0
+
+    def forget(self, pid: int) -> None:
+        """A parked process that ended: its parked holding removed (the driver frees a dead
+        process's host copy the same way), so a stop leaves nothing behind."""
+        path = self._find(pid, parked=True)
+        if path is not None:
+            try:
+                path.unlink()
+            except OSError:
+                pass

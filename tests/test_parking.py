@@ -1,0 +1,446 @@
+"""Parking a profile (issue 39): the decisions, the checkpointers and the park/restore sequence,
+against the fake checkpointer and a fake instance, in milliseconds (fast tier).
+
+What is specified here: only the profile's own GPU-holding PIDs are parked; a park short of host
+memory is refused with its figures and touches nothing; a checkpoint that fails half-way is
+undone; the GPU must read at its baseline after it; a restore that fails, or whose generation
+fails, stops the profile and starts it cold, and says so; a parked profile's stop leaves nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import subprocess
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from supervisord_gpu.checks.gpus import GpuInventory, GpuProcess, GpuState, SimulatedInventory
+from supervisord_gpu.checks.simgpu import SimulatedGpus
+from supervisord_gpu.controller.parking import Parker
+from supervisord_gpu.engine.states import INSTANCE_MOVES, PROCESS_MOVES, InstanceState, ProcessState
+from supervisord_gpu.errors import ERRORS, EXIT_PRECONDITIONS, ParkRefused, error_for_name
+from supervisord_gpu.parking.binary import BinaryCheckpointer
+from supervisord_gpu.parking.checkpointer import CheckpointError, CheckpointState, CheckpointUnavailable
+from supervisord_gpu.parking.decisions import (
+    GIB,
+    MIB,
+    baseline_problems,
+    find_targets,
+    host_memory_refusal,
+    judge_restore,
+    port_refusal,
+)
+from supervisord_gpu.parking.driver import DriverCheckpointer
+from supervisord_gpu.parking.fake import FakeCheckpointer
+from supervisord_gpu.parking.hostmem import parse_mem_available
+from supervisord_gpu.parking.simulated import SimulatedCheckpointer
+
+
+def gpu(index: int, holders: dict[int, int]) -> GpuState:
+    procs = tuple(GpuProcess(pid, mib) for pid, mib in sorted(holders.items()))
+    used = sum(holders.values())
+    return GpuState(index, f"GPU-{index}", "H100", 81559, used, 0, 0, procs, used == 0)
+
+
+class FakeInventory(GpuInventory):
+    """GPUs whose holders the test sets; a checkpoint by the fake checkpointer empties them."""
+
+    kind = "fake"
+
+    def __init__(self, holders: dict[int, dict[int, int]], checkpointer: FakeCheckpointer | None = None) -> None:
+        self.holders, self.checkpointer = holders, checkpointer
+
+    def count(self) -> int:
+        return len(self.holders)
+
+    def snapshot(self, indices: Any = None) -> list[GpuState]:
+        parked = set(self.checkpointer.parked_bytes) if self.checkpointer else set()
+        wanted = sorted(self.holders) if indices is None else sorted(indices)
+        return [gpu(i, {p: m for p, m in self.holders[i].items() if p not in parked}) for i in wanted]
+
+
+class FakeInstance:
+    """What the Parker asks of an Instance: its PIDs per process, park/resume/stop, its profile."""
+
+    def __init__(self, name: str, pids: dict[str, list[int]], gpus: list[int], ports: list[int]) -> None:
+        self.name = name
+        self.processes = {n: SimpleNamespace(spawned=SimpleNamespace(group=SimpleNamespace(pids=lambda p=p: p)))
+                          for n, p in pids.items()}
+        self.profile = SimpleNamespace(name=name, gpus=gpus, listens=lambda: [SimpleNamespace(port=p) for p in ports])
+        self.state = InstanceState.READY
+        self.stopped = ""
+
+    async def park(self, suspend: Any) -> None:
+        await suspend()
+        self.state = InstanceState.PARKED
+
+    async def resume(self, restore: Any) -> None:
+        await restore()
+        self.state = InstanceState.READY
+
+    async def stop(self, reason: str = "") -> float:
+        self.state, self.stopped = InstanceState.STOPPED, reason
+        return 0.0
+
+
+def setup(mem_available: int | None = 200 * GIB, **holders: int) -> tuple[Parker, FakeCheckpointer, FakeInstance, list[str]]:
+    """A server whose scheduler (pid 101) holds 20 GiB on GPU 0; its tokenizer (pid 100) holds nothing;
+    a stranger (pid 999) holds memory on GPU 1."""
+    ckpt = FakeCheckpointer({101: 20 * GIB})
+    inventory = FakeInventory({0: {101: 20 * 1024}, 1: {999: 1024}}, ckpt)
+    said: list[str] = []
+    parker = Parker(ckpt, inventory, lambda m, _p: said.append(m), mem_available=lambda: mem_available)
+    inst = FakeInstance("tp1", {"server": [100, 101]}, [0], [30000])
+    return parker, ckpt, inst, said
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+# ----------------------------------------------------------------------------- decisions
+
+
+def test_only_the_profiles_own_gpu_holders_are_parked() -> None:
+    """A stranger on the same GPU is never ours to park; a tokenizer with no CUDA memory is not parked."""
+    states = [gpu(0, {101: 2048, 999: 512}), gpu(1, {101: 2048})]
+    targets = find_targets({"server": [100, 101], "router": [200]}, states)
+    assert [(t.process, t.pid, t.gpu_bytes) for t in targets] == [("server", 101, 4096 * MIB)]
+
+
+def test_park_short_of_host_memory_is_refused_with_the_figures() -> None:
+    why = host_memory_refusal("tp1", 20 * 10**9, 16 * 10**9)
+    assert why == "refusing to park tp1: host memory available 16.0 GB, needed 20.0 GB to park + 4.3 GB margin"
+    assert host_memory_refusal("tp1", 20 * 10**9, 30 * 10**9) == ""
+    assert "needed 20.0 GB to park + 4.3 GB margin" in host_memory_refusal("tp1", 20 * 10**9, 22 * 10**9), \
+        "the bytes fit, the margin does not: refused"
+    assert "unknown" in host_memory_refusal("tp1", 1, None)
+
+
+def test_a_port_the_next_profile_needs_refuses_the_park() -> None:
+    assert "30000" in port_refusal("tp1", [30000, 30001], "pd", [30000])
+    assert port_refusal("tp1", [30000], "pd", [31000]) == ""
+
+
+def test_a_gpu_not_at_baseline_after_the_park_is_named_with_its_holders() -> None:
+    problems = baseline_problems([gpu(0, {101: 4096}), gpu(1, {})], [101])
+    assert problems == ["GPU 0 holds 4096 MiB after the park (pid 101 (parked))"]
+
+
+def test_a_failed_restore_or_generation_means_a_cold_start_said_so() -> None:
+    assert judge_restore("tp1", "", "", 1.5).serve
+    failed = judge_restore("tp1", "cuCheckpointProcessRestore(pid 101) failed: CUDA_ERROR_OUT_OF_MEMORY", "", 1.0)
+    assert not failed.serve and "starting it cold" in failed.say and "OUT_OF_MEMORY" in failed.say
+    assert not judge_restore("tp1", "", "/generate answered 503", 1.0).serve
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("MemTotal: 100 kB\nMemAvailable:   2048 kB\n", 2048 * 1024),
+    ("MemAvailable: 12 MB\n", None),  # a unit the kernel never writes: no figure, never a guess
+    ("MemAvailable: -5 kB\n", None),
+    ("MemFree: 10 kB\n", None),
+    ("MemAvailable: 1e9 kB\n", None),
+])
+def test_mem_available_is_read_or_refused(text: str, expected: int | None) -> None:
+    assert parse_mem_available(text) == expected
+
+
+def test_parked_is_a_state_with_its_moves() -> None:
+    assert InstanceState.PARKED in INSTANCE_MOVES[InstanceState.READY]
+    assert INSTANCE_MOVES[InstanceState.PARKED] == {InstanceState.READY, InstanceState.STOPPING}
+    assert PROCESS_MOVES[ProcessState.PARKED] == {ProcessState.READY, ProcessState.STOPPING}
+
+
+def test_park_refused_is_an_error_of_the_table_exit_3() -> None:
+    assert ParkRefused in ERRORS and ParkRefused.exit_code == EXIT_PRECONDITIONS
+    assert error_for_name("org.supervisordgpu.Error.ParkRefused") is ParkRefused
+
+
+# ----------------------------------------------------------------------------- the sequence
+
+
+def test_park_checkpoints_the_cuda_process_and_verifies_the_baseline() -> None:
+    parker, ckpt, inst, said = setup()
+    record = run(parker.park(inst))
+    assert ckpt.calls[:2] == [("lock", 101), ("checkpoint", 101)]
+    assert ckpt.states[101] == CheckpointState.CHECKPOINTED and inst.state == InstanceState.PARKED
+    assert record.host_bytes == 20 * GIB and record.pids == [101]
+    assert "0 MiB on the GPU, 21.5 GB host (server pid 101)" in record.describe()
+    assert "verified at their baseline" in said[-1]
+
+
+def test_park_without_host_memory_touches_nothing() -> None:
+    parker, ckpt, inst, _ = setup(mem_available=8 * GIB)
+    with pytest.raises(ParkRefused, match=r"host memory available 8.6 GB, needed 21.5 GB"):
+        run(parker.park(inst))
+    assert ckpt.calls == [] and inst.state == InstanceState.READY
+
+
+def test_a_checkpoint_failing_half_way_is_undone() -> None:
+    parker, ckpt, inst, _ = setup()
+    ckpt.gpu_bytes[102] = GIB
+    parker.inventory.holders[0][102] = 1024  # type: ignore[attr-defined]
+    inst.processes["server"].spawned.group.pids = lambda: [100, 101, 102]
+    ckpt.fail.add(("checkpoint", 102))
+    with pytest.raises(ParkRefused, match="park of tp1 failed and was undone"):
+        run(parker.park(inst))
+    assert ckpt.states[101] == CheckpointState.RUNNING and ckpt.states[102] == CheckpointState.RUNNING
+    assert ("restore", 101) in ckpt.calls and ("unlock", 102) in ckpt.calls
+
+
+def test_a_gpu_still_held_after_the_checkpoint_undoes_the_park() -> None:
+    parker, ckpt, inst, _ = setup()
+    parker.inventory.checkpointer = None  # type: ignore[attr-defined]  # the GPU keeps listing pid 101
+    with pytest.raises(ParkRefused, match="GPU 0 holds 20480 MiB after the park"):
+        run(parker.park(inst))
+    assert ckpt.states[101] == CheckpointState.RUNNING
+
+
+def test_restore_brings_it_back_serving() -> None:
+    parker, ckpt, inst, said = setup()
+    run(parker.park(inst))
+    cold: list[str] = []
+
+    async def serves() -> str:
+        return ""
+
+    async def cold_start() -> None:
+        cold.append("cold")
+
+    verdict = run(parker.restore(inst, cold_start, serves))
+    assert verdict.serve and cold == [] and ckpt.states[101] == CheckpointState.RUNNING
+    assert inst.state == InstanceState.READY and "restored and serving" in said[-1]
+
+
+@pytest.mark.parametrize("failing", ["restore", "generation"])
+def test_a_failed_restore_falls_back_to_a_cold_start(failing: str) -> None:
+    parker, ckpt, inst, said = setup()
+    run(parker.park(inst))
+    if failing == "restore":
+        ckpt.fail.add(("restore", 101))
+    cold: list[str] = []
+
+    async def serves() -> str:
+        return "/generate answered 503" if failing == "generation" else ""
+
+    async def cold_start() -> None:
+        cold.append(inst.state.value)
+
+    verdict = run(parker.restore(inst, cold_start, serves))
+    assert not verdict.serve and cold == ["stopped"]
+    assert "starting it cold instead" in said[-1] and inst.stopped.startswith("restore failed")
+
+
+def test_stop_of_a_parked_profile_leaves_nothing() -> None:
+    parker, _, inst, _ = setup()
+    run(parker.park(inst))
+    run(parker.stop(inst))
+    assert inst.state == InstanceState.STOPPED and parker.parked == {}
+
+
+# ----------------------------------------------------------------------------- the mechanisms
+
+
+def test_fake_keeps_the_drivers_state_rules() -> None:
+    ckpt = FakeCheckpointer()
+    with pytest.raises(CheckpointError, match="ILLEGAL_STATE"):
+        ckpt.checkpoint(5)  # never locked
+
+
+def test_driver_api_absent_is_said_in_one_line() -> None:
+    with pytest.raises(CheckpointUnavailable, match="no CUDA driver library"):
+        DriverCheckpointer.open("/nonexistent/libcuda.so.1")
+
+
+class OldLibcuda:
+    """A libcuda of driver 550 (CUDA 12.4): it answers its version and has no checkpoint calls."""
+
+    def cuDriverGetVersion(self, out: Any) -> int:  # noqa: N802  (the driver's name)
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_int))[0] = 12040
+        return 0
+
+
+def test_a_driver_older_than_570_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ctypes, "CDLL", lambda path: OldLibcuda())
+    with pytest.raises(CheckpointUnavailable, match="the CUDA driver is 12.4; checkpoints need 12.8"):
+        DriverCheckpointer.open()
+
+
+def test_cuda_checkpoint_binary_states_are_parsed_and_strange_words_refused() -> None:
+    answers = iter(["checkpointed\n", "Running\n", "pwned; rm -rf\n"])
+
+    def fake_run(argv: list[str], **_: Any) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(argv, 0, next(answers), "")
+
+    b = BinaryCheckpointer("/usr/bin/cuda-checkpoint", fake_run)
+    assert b.state(7) == CheckpointState.CHECKPOINTED
+    assert b.state(7) == CheckpointState.RUNNING
+    with pytest.raises(CheckpointError, match="not a state"):
+        b.state(7)
+
+
+def test_simulated_checkpoint_moves_the_memory_off_the_gpu_and_back(tmp_path: Any) -> None:
+    sim = SimulatedGpus.create(tmp_path / "simgpu", 2, total_mib=1000, reserved_mib=0)
+    sim.hold([0], 600)
+    inventory = SimulatedInventory(sim)
+    ckpt = SimulatedCheckpointer(sim)
+    me = os.getpid()
+    ckpt.lock(me, 1000)
+    ckpt.checkpoint(me)
+    assert inventory.snapshot([0])[0].idle and ckpt.state(me) == CheckpointState.CHECKPOINTED
+    assert ckpt.host_bytes(me) == 600 * MIB
+    ckpt.restore(me)
+    ckpt.unlock(me)
+    assert inventory.snapshot([0])[0].used_mib == 600 and ckpt.state(me) == CheckpointState.RUNNING
+
+
+def test_simulated_restore_onto_a_gpu_someone_filled_fails(tmp_path: Any) -> None:
+    sim = SimulatedGpus.create(tmp_path / "simgpu", 1, total_mib=1000, reserved_mib=0)
+    sim.hold([0], 600)
+    ckpt = SimulatedCheckpointer(sim)
+    me = os.getpid()
+    ckpt.lock(me, 1000)
+    ckpt.checkpoint(me)
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        sim.hold([0], 500, pid=other.pid)
+        with pytest.raises(CheckpointError, match="OUT_OF_MEMORY"):
+            ckpt.restore(me)
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_without_driver_api_or_utility_parking_says_why_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from supervisord_gpu.parking import open_checkpointer
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(CheckpointUnavailable) as info:
+        open_checkpointer(libcuda="/nonexistent/libcuda.so.1")
+    assert str(info.value) == ("no way to park on this machine: no CUDA driver library (/nonexistent/libcuda.so.1: "
+                               "/nonexistent/libcuda.so.1: cannot open shared object file: No such file or directory); "
+                               "no cuda-checkpoint on PATH")
+
+
+# ----------------------------------------------------------------------------- the next profile's takeover
+
+
+def two_profiles(tmp_path: Any) -> tuple[Any, Any, int, int]:
+    import textwrap
+
+    from supervisord_gpu.config.loader import load_daemon_config, load_profile
+    from support import free_ports
+
+    pa, pb = free_ports(2)
+    etc = tmp_path / "etc"
+    (etc / "profiles").mkdir(parents=True)
+    (etc / "supervisord-gpu.toml").write_text(textwrap.dedent(f"""
+        [daemon]
+        runtime_dir = "{tmp_path / 'run'}"
+        cache_dir = "{tmp_path / 'cache'}"
+        default_user = "root"
+        [gpus]
+        backend = "simulated"
+        """))
+    for name, port in (("alpha", pa), ("beta", pb)):
+        (etc / "profiles" / f"{name}.toml").write_text(f'[servers.main]\ngpus = [0]\nport = {port}\nmodel_path = "/m"\n')
+    cfg = load_daemon_config(etc)
+    return cfg, load_profile(cfg, "beta"), pa, pb
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the runtime directory must be root's (config/trust.py)")
+def test_the_next_profiles_takeover_leaves_a_parked_instance_alone_unless_it_holds_a_port(tmp_path: Any) -> None:
+    from supervisord_gpu.controller import parked
+    from supervisord_gpu.controller.takeover import find_conflicts
+    from supervisord_gpu.parking.decisions import ParkedProfile
+
+    cfg, beta, pa, pb = two_profiles(tmp_path)
+    units = SimpleNamespace(instances=lambda: [SimpleNamespace(instance="alpha", active="active")])
+    nobody = SimpleNamespace(running=lambda: [])
+
+    def in_the_way() -> list[str]:
+        return [c.instance for c in find_conflicts(beta, cfg, units, nobody)]  # type: ignore[arg-type]
+
+    assert in_the_way() == ["alpha"], "running, on GPU 0: stopped by beta's start"
+    parked.write(cfg.runtime_dir, ParkedProfile("alpha", "fake", [], 0, 0.0, ports=[pa]))
+    assert in_the_way() == [], "parked: it holds nothing beta needs"
+    os.chmod(cfg.runtime_dir / "parked" / "alpha.json", 0o666)
+    assert in_the_way() == ["alpha"], "a record anyone may write is no record"
+    parked.write(cfg.runtime_dir, ParkedProfile("alpha", "fake", [], 0, 0.0, ports=[pb]))
+    assert in_the_way() == ["alpha"], "parked on a port beta needs: still in the way"
+    parked.remove(cfg.runtime_dir, "alpha")
+    assert in_the_way() == ["alpha"]
+
+
+class FakeLibcuda:
+    """libcuda of driver 580 as ctypes sees it: each call records its arguments; the states follow
+    the driver's rules; an error answers CUDA_ERROR_OUT_OF_MEMORY (2) by name."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, Any]] = []
+        self.state = 0
+        self.fail = ""
+        for name in [n for n in dir(type(self)) if n.startswith("cu")]:  # plain functions: ctypes sets restype on them
+            bound = getattr(self, name)
+            setattr(self, name, lambda *a, _m=bound: _m(*a))
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(name)
+
+    def cuDriverGetVersion(self, out: Any) -> int:  # noqa: N802
+        out._obj.value = 13000
+        return 0
+
+    def cuInit(self, flags: int) -> int:  # noqa: N802
+        self.calls.append(("cuInit", flags, None))
+        return 0
+
+    def cuGetErrorName(self, rc: int, out: Any) -> int:  # noqa: N802
+        out._obj.value = b"CUDA_ERROR_OUT_OF_MEMORY" if rc == 2 else b"CUDA_ERROR_UNKNOWN"
+        return 0
+
+    def _op(self, name: str, pid: int, args: Any, then: int) -> int:
+        self.calls.append((name, pid, args))
+        if self.fail == name:
+            return 2
+        self.state = then
+        return 0
+
+    def cuCheckpointProcessLock(self, pid: int, args: Any) -> int:  # noqa: N802
+        return self._op("lock", pid, args._obj.timeoutMs, 1)
+
+    def cuCheckpointProcessCheckpoint(self, pid: int, args: Any) -> int:  # noqa: N802
+        return self._op("checkpoint", pid, args, 2)
+
+    def cuCheckpointProcessRestore(self, pid: int, args: Any) -> int:  # noqa: N802
+        return self._op("restore", pid, args, 1)
+
+    def cuCheckpointProcessUnlock(self, pid: int, args: Any) -> int:  # noqa: N802
+        return self._op("unlock", pid, args, 0)
+
+    def cuCheckpointProcessGetState(self, pid: int, out: Any) -> int:  # noqa: N802
+        out._obj.value = self.state
+        return 0
+
+
+def test_driver_api_calls_in_the_drivers_order_with_null_args_and_names_its_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    lib = FakeLibcuda()
+    monkeypatch.setattr(ctypes, "CDLL", lambda path: lib)
+    d = DriverCheckpointer.open()
+    d.lock(42, 30_000)
+    d.checkpoint(42)
+    assert d.state(42) == CheckpointState.CHECKPOINTED
+    d.restore(42)
+    d.unlock(42)
+    assert [c[:2] for c in lib.calls] == [("cuInit", 0), ("lock", 42), ("checkpoint", 42), ("restore", 42), ("unlock", 42)]
+    assert lib.calls[1][2] == 30_000 and lib.calls[2][2] is None, "the lock's timeout sent; the other args NULL"
+    lib.fail = "restore"
+    with pytest.raises(CheckpointError, match=r"cuCheckpointProcessRestore\(pid 42\) failed: CUDA_ERROR_OUT_OF_MEMORY"):
+        d.restore(42)
+    lib.state = 7
+    with pytest.raises(CheckpointError, match="answered 7, a state this supervisor does not know"):
+        d.state(42)

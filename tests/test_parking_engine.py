@@ -1,0 +1,189 @@
+"""Parking, end to end on CPU (issue 39): stand-in servers on simulated GPUs under cgroups, the
+engine's Instance, the controller's Parker with the simulated checkpointer. Not systemd.
+
+The switch a `switch --park` makes: A parked (drained, liveness paused, its scheduler's memory
+off the GPU), the GPU verified at its baseline, B started on the same GPU; back: B stopped, the
+GPU verified idle, A restored and proven serving by one generation, routed to again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+
+from supervisord_gpu.api.notify import status_text
+from supervisord_gpu.checks.gpus import SimulatedInventory
+from supervisord_gpu.checks.simgpu import H200_TOTAL_MIB, SimulatedGpus
+from supervisord_gpu.controller.parking import Parker
+from supervisord_gpu.engine.states import InstanceState, ProcessState
+from supervisord_gpu.parking.decisions import GIB
+from supervisord_gpu.parking.simulated import SimulatedCheckpointer
+from support import free_ports, make_instance, sim_holders, write_config
+
+
+def server(port: int) -> str:
+    return f"""
+        [servers.main]
+        gpus = [0]
+        port = {port}
+        model_path = "/m"
+        """
+
+
+def rig(tmp_path, cgroups):  # type: ignore[no-untyped-def]
+    pa, pb = free_ports(2)
+    cdir = write_config(tmp_path, {"a": server(pa), "b": server(pb)}, cgroups.root, startup=0.3)
+    a, cfg = make_instance(cdir, "a")
+    b, _ = make_instance(cdir, "b")
+    rig.cfg = cfg  # type: ignore[attr-defined]
+    sim = SimulatedGpus(tmp_path / "simgpu")
+    said: list[str] = []
+    parker = Parker(SimulatedCheckpointer(sim), SimulatedInventory(sim, 0), lambda m, _p: said.append(m),
+                    mem_available=lambda: 64 * GIB)
+    return a, b, sim, parker, said
+
+
+def parked_files(sim: SimulatedGpus) -> list[str]:
+    return [p.name for p in (sim.directory / "holders").rglob(".parked.*")]
+
+
+def test_park_switch_and_back_on_one_gpu(tmp_path, cgroups):
+    a, b, sim, parker, said = rig(tmp_path, cgroups)
+    inventory = parker.inventory
+
+    async def go() -> None:
+        await a.start()
+        scheduler = sim_holders(tmp_path)
+        main_pid = a.processes["main"].pid
+        record = await parker.park(a, b.profile)
+        assert a.state == InstanceState.PARKED and a.processes["main"].state == ProcessState.PARKED
+        assert inventory.snapshot([0])[0].idle, "GPU 0 is at its baseline while A is parked"
+        assert record.pids == scheduler and record.host_bytes == 1000 * (1 << 20)
+        assert status_text(a.status()).startswith("parked: 0 MiB on the GPU, 1.0 GB host (main pid ")
+        assert a.processes["main"]._liveness is None, "liveness is paused while parked"
+        await asyncio.sleep(a.profile.processes[0].probe.liveness_interval_s * 2)
+        assert a.processes["main"].pid == main_pid, "liveness killed nothing while parked"
+        await b.start()
+        assert b.state == InstanceState.READY
+        await b.stop()
+        assert inventory.snapshot([0])[0].idle
+        began = time.monotonic()
+        verdict = await parker.restore(a, a.start)
+        assert verdict.serve, verdict.say
+        assert time.monotonic() - began < 5
+        assert a.state == InstanceState.READY and a.processes["main"].pid == main_pid
+        assert sim_holders(tmp_path) == scheduler, "its memory is back on GPU 0"
+        await a.stop()
+
+    asyncio.run(go())
+    assert "restored and serving" in said[-1]
+    assert sim_holders(tmp_path) == [] and parked_files(sim) == [] and cgroups.all_pids() == []
+
+
+def test_a_restore_onto_a_filled_gpu_starts_it_cold_and_says_so(tmp_path, cgroups):
+    a, b, sim, parker, said = rig(tmp_path, cgroups)
+    filler = subprocess.Popen(["sleep", "60"])
+
+    async def go() -> None:
+        await a.start()
+        old_pid = a.processes["main"].pid
+        await parker.park(a)
+        sim.hold([0], H200_TOTAL_MIB - 1000, pid=filler.pid)  # someone else took the GPU meanwhile
+        ended = {"cold": 0}
+
+        async def cold_start() -> None:
+            filler.kill()
+            filler.wait()
+            ended["cold"] += 1
+            await a.start()
+
+        verdict = await parker.restore(a, cold_start, None)
+        assert not verdict.serve and ended["cold"] == 1
+        assert a.state == InstanceState.READY and a.processes["main"].pid != old_pid
+        await a.stop()
+
+    try:
+        asyncio.run(go())
+    finally:
+        filler.kill()
+        filler.wait()
+    assert "OUT_OF_MEMORY" in said[-1] and "starting it cold instead" in said[-1]
+    assert parked_files(sim) == [] and cgroups.all_pids() == []
+
+
+def test_stop_of_a_parked_profile_leaves_nothing(tmp_path, cgroups):
+    a, _, sim, parker, _ = rig(tmp_path, cgroups)
+
+    async def go() -> None:
+        await a.start()
+        await parker.park(a)
+        await parker.stop(a)
+
+    asyncio.run(go())
+    assert a.state == InstanceState.STOPPED
+    assert sim_holders(tmp_path) == [] and parked_files(sim) == [] and cgroups.all_pids() == []
+    assert not os.path.exists(tmp_path / "simgpu" / "holders" / ".parked")
+
+
+def test_a_park_refused_for_host_memory_leaves_it_serving(tmp_path, cgroups):
+    a, _, _, parker, _ = rig(tmp_path, cgroups)
+    parker.mem_available = lambda: 2 * GIB
+
+    async def go() -> str:
+        await a.start()
+        try:
+            await parker.park(a)
+        except Exception as e:  # noqa: BLE001  (the refusal is what is checked)
+            return f"{type(e).__name__}: {e}"
+        finally:
+            assert a.state == InstanceState.READY
+            await a.stop()
+        return ""
+
+    said = asyncio.run(go())
+    assert said == ("ParkRefused: refusing to park a: host memory available 2.1 GB, needed 1.0 GB to park "
+                    "+ 4.3 GB margin")
+
+
+def test_park_and_restore_through_the_controller(tmp_path, cgroups):
+    """The daemon's verbs (what D-Bus Park and Restore run): the parked record written and removed,
+    a park for a profile that needs the parked one's port refused, nothing touched."""
+    from supervisord_gpu.controller import parked
+    from supervisord_gpu.controller.controller import InstanceController
+    from supervisord_gpu.controller.lock import TransitionLock
+    from supervisord_gpu.controller.registry import Registry
+    from supervisord_gpu.controller.transition import LocalTransition
+    from supervisord_gpu.daemon import backends_for
+
+    a, b, sim, parker, said = rig(tmp_path, cgroups)
+    cfg = rig.cfg  # type: ignore[attr-defined]
+    backends = backends_for(cfg)
+    transition = LocalTransition(a.profile, cfg, backends, lambda m, _p, _e: said.append(m), None, Registry(cfg.runtime_dir))
+    ctl = InstanceController(cfg, a.profile, a, backends, lambda m, _p, _e: said.append(m), transition,
+                             TransitionLock(cfg.runtime_dir, "a"))
+    ctl.parker = parker
+
+    async def go() -> None:
+        assert (await ctl.start()).ok
+        out = await ctl.park("a")  # a profile on the parked one's own port
+        assert out.state == "refused" and out.exit_code == 3 and "keeps listening on while parked" in out.reason
+        assert a.state == InstanceState.READY and parked.parked(cfg.runtime_dir) == {}
+        out = await ctl.park("b")
+        assert out.ok and out.reason.startswith("parked in "), out.reason
+        assert list(parked.parked(cfg.runtime_dir)) == ["a"]
+        await b.start()
+        await b.stop()
+        out = await ctl.restore()
+        assert out.ok and "restored and serving" in out.reason, out.reason
+        assert parked.parked(cfg.runtime_dir) == {} and a.state == InstanceState.READY
+        assert (await ctl.park("b")).ok
+        out = await ctl.restart()  # a restart of a parked instance: stopped through the Parker, started cold
+        assert out.ok and parked.parked(cfg.runtime_dir) == {} and parked_files(sim) == [], out.reason
+        assert (await ctl.park("b")).ok
+        await ctl.stop()  # a parked stop, through the Parker: nothing left behind
+
+    asyncio.run(go())
+    assert a.state == InstanceState.STOPPED and parked.parked(cfg.runtime_dir) == {}
+    assert sim_holders(tmp_path) == [] and parked_files(sim) == [] and cgroups.all_pids() == []
