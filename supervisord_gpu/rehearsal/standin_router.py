@@ -281,6 +281,7 @@ CONTROL_PLANE_PATHS = ("/workers", "/get_loads", "/flush_cache")
 _MISSING_AUTH = "Missing or invalid Authorization header"
 _BAD_TOKEN = "Invalid authentication token"
 _NOT_ADMIN = "Admin role required for control plane access"
+_SMG_NOT_ADMIN = "Admin role required for this control plane operation"
 
 
 @dataclass(frozen=True)
@@ -313,16 +314,20 @@ def is_control_plane(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in CONTROL_PLANE_PATHS)
 
 
-def authorize(keys: list[ApiKey], header: str | None) -> tuple[int, str, ApiKey | None]:
-    """(0, "", key) when `header` carries an admin key; else the real router's status and text."""
-    if header is None or not header.startswith("Bearer "):
+def authorize(keys: list[ApiKey], header: str | None, method: str = "POST",
+              smg: bool = False) -> tuple[int, str, ApiKey | None]:
+    """(0, "", key) when `header` carries a key allowed to do this; else the real router's status
+    and text. smg 1.13.0 (observed): the scheme in any case ("bearer KEY" too), and a user key
+    may read (GET /workers, /get_loads) while changes want an admin key, with another 403 text."""
+    scheme = header[:7] if header is not None else ""
+    if header is None or not (scheme.lower() == "bearer " if smg else scheme == "Bearer "):
         return 401, _MISSING_AUTH, None
     token = header[len("Bearer "):].encode()
     found = next((k for k in keys if hmac.compare_digest(k.key.encode(), token)), None)
     if found is None:
         return 401, _BAD_TOKEN, None
-    if found.role != "admin":
-        return 403, _NOT_ADMIN, found
+    if found.role != "admin" and not (smg and method == "GET"):
+        return 403, _SMG_NOT_ADMIN if smg else _NOT_ADMIN, found
     return 0, "", found
 
 
@@ -680,7 +685,8 @@ def _make_handler(app: StandinRouter) -> type[JSONHandler]:
 
         def _refused(self) -> bool:
             """The control plane's auth middleware: True after answering 401/403."""
-            status, text, key = authorize(app.keys, self.headers.get("Authorization"))
+            status, text, key = authorize(app.keys, self.headers.get("Authorization"), self.command,
+                                          smg=app.kind is routers.SMG)
             if not status:
                 return False
             if key is not None:
