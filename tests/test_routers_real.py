@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -140,3 +141,23 @@ def test_a_pd_router_is_not_ready_while_its_first_request_answers_503(tmp_path: 
 
     assert asyncio.run(go()) is not None
     assert len(asked) == 4 and not answers, asked  # three 503s, then the 200 that made it ready
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, id=k.name, marks=pytest.mark.skipif(
+    not k.installed(), reason=f"{k.name} not installed")) for k in routers.ROUTERS])
+def test_gpusupctl_rehearse_runs_a_pd_profile_with_the_router_the_config_names(tmp_path: Path, cgroups: Any,
+                                                                               kind: routers.RouterKind) -> None:
+    """`router_command` as a device script sets it (python3 -m MODULE): the rehearsal runs that
+    router, the real one."""
+    from test_cli_local import REPO, rehearse_config_dir
+
+    cdir = rehearse_config_dir(tmp_path, cgroups, pd_profile(free_ports(5)), "server_startup = 0.3")
+    toml = cdir / "supervisord-gpu.toml"
+    toml.write_text(f'[sglang]\nrouter_command = ["python3", "-m", "{kind.module}"]\n' + toml.read_text())
+    r = subprocess.run([PY, "-m", "supervisord_gpu.cli.gpusupctl", "rehearse", "pd", "--config-dir", str(cdir)],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "verified after stop: GPUs [0, 1] idle" in out, out
+    # which router ran shows in its stop: smg keeps its port for its 5 s window, 0.3.2 exits at once
+    stopped = float(re.search(r"router: stopped in ([0-9.]+) s", out).group(1))  # type: ignore[union-attr]
+    assert (stopped >= kind.stop_listen_s) if kind.stop_listen_s else stopped < 2.0, out
