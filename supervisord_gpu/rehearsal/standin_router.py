@@ -570,7 +570,7 @@ class StandinRouter:
     def readiness(self) -> tuple[int, dict[str, Any]]:
         regs = self.registered()
         if self.draining:
-            return 503, {"status": "draining", "reason": "router is shutting down"}
+            return 503, {"status": "not ready", "reason": "draining"}  # smg 1.13.0's words
         if self.pd:
             ok = bool(self.healthy("prefill")) and bool(self.healthy("decode"))
         else:
