@@ -358,7 +358,8 @@ def test_a_worker_added_behind_our_back_with_the_key_is_named_and_removed(tmp_pa
             assert [w["url"] for w in await workers.foreign_workers() or []] == [evil]
             check = await workers.enforce(sink, "router")
             assert check.ready and len(check.foreign) == 1 and evil in check.foreign[0], check
-            assert evil not in {w["url"] for w in _workers(rport, key)}
+            # gone (0.3.2), or on its way out: smg lists it as "draining" for a while, out of routing
+            assert evil not in {w["url"] for w in _workers(rport, key) if w.get("status") != "draining"}
             assert (await workers.foreign_workers()) == []
         finally:
             await instance.stop()

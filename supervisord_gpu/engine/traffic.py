@@ -141,17 +141,20 @@ class RouterWorkers:
                 return w
         return None
 
-    async def _listed(self, worker_id: str) -> bool:
-        return any(str(w.get("id", "")) == worker_id for w in await self.workers() or [])
+    async def _routed(self, worker_id: str) -> bool:
+        """Still listed and not draining: smg keeps a DELETEd worker listed as "draining" (out of
+        routing, its requests completing) before it drops it; 0.3.2 drops it at once."""
+        return any(str(w.get("id", "")) == worker_id and not draining(w) for w in await self.workers() or [])
 
     async def _delete(self, worker: dict[str, Any], timeout: float) -> str:
-        """DELETE one worker by id and wait until the list no longer has it; "" once gone, else why not."""
+        """DELETE one worker by id and wait until the list shows it gone or draining (a 202 alone is
+        not "done"); "" then, else why not."""
         worker_id = str(worker.get("id", ""))
         status, body = await self._call("DELETE", f"/workers/{worker_id}")
         if status not in (200, 202, 204):
             return _failed("the router refused to remove it", status, body, 120)
         deadline = time.monotonic() + timeout
-        while await self._listed(worker_id):
+        while await self._routed(worker_id):
             if time.monotonic() > deadline:
                 return f"the router still lists it {timeout:g} s after removing it"
             await asyncio.sleep(POLL_S)
@@ -168,31 +171,43 @@ class RouterWorkers:
         return await self._delete(worker, timeout)
 
     async def restore(self, server: ProcessSpec, timeout: float) -> str:
-        """Add `server` back and wait until the router calls it healthy; "" on success, else why not."""
-        if (w := await self._find(server.url)) is None:
-            body: dict[str, Any] = {"url": server.url}
-            if self.router.router_mode == "pd":
-                body["worker_type"] = server.role
-                if server.role == "prefill":
-                    body["bootstrap_port"] = server.bootstrap_port
-            status, answer = await self._call("POST", "/workers", body)
-            if status not in (200, 201, 202):
-                return _failed("the router refused to add it back", status, answer, 120)
+        """Add `server` back and wait until the router calls it healthy; "" on success, else why not.
+
+        smg refuses a POST for a URL it still lists as "draining" (409 "Worker already exists"):
+        the draining entry is waited out first, within the same timeout."""
         deadline = time.monotonic() + timeout
+        while await self._find(server.url) is None:
+            if not await self._draining(server.url):
+                body: dict[str, Any] = {"url": server.url}
+                if self.router.router_mode == "pd":
+                    body["worker_type"] = server.role
+                    if server.role == "prefill":
+                        body["bootstrap_port"] = server.bootstrap_port
+                status, answer = await self._call("POST", "/workers", body)
+                if status not in (200, 201, 202):
+                    return _failed("the router refused to add it back", status, answer, 120)
+                break
+            if time.monotonic() > deadline:
+                return f"the router still lists it as draining {timeout:g} s later"
+            await asyncio.sleep(POLL_S)
         while not ((w := await self._find(server.url)) is not None and serving(w)):
             if time.monotonic() > deadline:
                 return f"the router did not take it back within {timeout:g} s"
             await asyncio.sleep(POLL_S)
         return ""
 
+    async def _draining(self, url: str) -> bool:
+        return any(_url(w) == url and draining(w) for w in await self.workers() or [])
+
     def is_ours(self, worker: dict[str, Any]) -> bool:
         """Named by the profile, with the type it gives it (our decode URL listed as a prefill is not ours)."""
         return (_url(worker), str(worker.get("worker_type", "regular"))) in self.expected
 
     async def foreign_workers(self) -> list[dict[str, Any]] | None:
-        """Every listed worker the profile does not name (None: the list could not be read)."""
+        """Every listed worker the profile does not name and the router still routes to (one smg lists
+        as "draining" is on its way out); None: the list could not be read."""
         listed = await self.workers()
-        return None if listed is None else [w for w in listed if not self.is_ours(w)]
+        return None if listed is None else [w for w in listed if not self.is_ours(w) and not draining(w)]
 
     async def enforce(self, sink: LogSink, process: str) -> WorkerCheck:
         """Read the router's list; name each foreign worker at error priority and remove it at once.
@@ -206,7 +221,7 @@ class RouterWorkers:
         if listed is None:
             return WorkerCheck(0, len(self.expected), problem=why)
         found, left = [], []
-        for w in (w for w in listed if not self.is_ours(w)):
+        for w in (w for w in listed if not self.is_ours(w) and not draining(w)):
             found.append(what := _describe(w))
             sink.event(f"{process}: foreign worker {what}: the profile does not name it and it would get users' "
                        "requests; removing it from the router", 3, GPUSUP_PROCESS=process,

@@ -6,8 +6,10 @@ router's parser: the table the loader checks profiles against, no second copy). 
 also does what smg does differently: process title `smg::router`; after SIGTERM the listener
 stays open (and /readiness says 503 "draining") for its 5 s propagation window, then an idle
 exit ~6.5 s after the signal; a DELETEd worker stays listed as "status": "draining" for about a
-second (a 202 is not "done"); with --enable-rl, /v1/rl/... (workers, engine calls fanned out to
-every worker) behind the control-plane key when one is set, open to anyone when none is.
+second, or until its requests in flight are done (no new ones reach it; a 202 is not "done";
+a POST for its URL meanwhile is 409 "Worker already exists"); with --enable-rl, /v1/rl/...
+(workers, engine calls fanned out to every worker) behind the control-plane key when one is
+set, open to anyone when none is; a user key may read the worker list ("bearer" in any case).
 
 Used only where the real router is not installed (it is a 31 MB wheel that does run on
 CPU machines, and tests prefer it). It copies what a supervisor sees of the real one,
@@ -97,8 +99,9 @@ from supervisord_gpu.rehearsal._http import (
 
 REGISTRATION_BACKOFF_CAP_S = 5.0  # registration retries: 1 s, 2 s, 3 s, ... capped at 5 s
 SRC = "/home/runner/work/sglang/sglang/src"  # where the wheel was built: its log lines name it
-#: smg lists a DELETEd worker as "draining" (is_healthy false) for a while before it is gone
-#: (observed: about 1 s with nothing in flight)
+#: smg lists a DELETEd worker as "draining" (is_healthy false, no new requests) until the
+#: requests it has complete, then drops it (observed: ~1 s with nothing in flight; 0.1 s after
+#: the last of them with a 6 s request in flight)
 SMG_DRAINING_S = 1.0
 
 
@@ -447,12 +450,24 @@ class StandinRouter:
             if self.kind.workers_async:
                 if not w.draining:
                     w.draining = True
-                    threading.Timer(SMG_DRAINING_S, self._forget, (w,)).start()
+                    threading.Thread(target=self._drain, args=(w,), daemon=True).start()
                 return w
             w.removed = True
             self.workers.remove(w)
         log("INFO", "smg::core::steps::worker::local::update_remaining_policies", f"Removed worker {w.url}", 56)
         return w
+
+    def draining_at(self, url: str) -> Worker | None:
+        with self.lock:
+            return next((w for w in self.workers if w.url == url and w.draining and not w.removed), None)
+
+    def _drain(self, w: Worker) -> None:
+        """smg: out of routing now; dropped from the list once its requests are done (and ~1 s passed)."""
+        began = time.monotonic()
+        while w.load > 0 or time.monotonic() - began < SMG_DRAINING_S:
+            if self.stopping.wait(0.05):
+                return
+        self._forget(w)
 
     def _forget(self, w: Worker) -> None:
         with self.lock:
@@ -752,6 +767,12 @@ def _make_handler(app: StandinRouter) -> type[JSONHandler]:
             kind = body.get("worker_type")
             kind = kind if kind in ("prefill", "decode") else "regular"
             port = body.get("bootstrap_port")
+            leaving = app.draining_at(url)
+            if leaving is not None:  # smg: a URL still draining is refused, not revived
+                self.send_json(409, {"error": f"Worker already exists at URL '{url}' with ID {leaving.id}. Use PUT "
+                                              f"/workers/{leaving.id} to update an existing worker.",
+                                     "code": "WORKER_ALREADY_EXISTS"})
+                return
             w = app.add_worker(url, kind, port if isinstance(port, int) else None)
             self.send_bytes(202, json.dumps({"status": "accepted", "worker_id": w.id, "url": url,
                                              "location": f"/workers/{w.id}",
