@@ -20,6 +20,9 @@ start_stall_timeout = {stall}
 # The tests' own profiles run their stand-ins as root; the shipped ones say user = "sglang" (the
 # servers) and "sglang-router" (the router).
 default_user = "root"
+# sglang-router 0.3.2 here (smg is installed too: it would be picked, and stops 6.5 s slower)
+[sglang]
+router_command = ["python3", "-m", "sglang_router.launch_router"]
 [rehearsal]
 enabled = true
 server_startup = {startup}
@@ -137,7 +140,9 @@ def ours(ctr) -> list:  # type: ignore[no-untyped-def]
 
 
 def stand_ins(ctr) -> list:  # type: ignore[no-untyped-def]
-    return [p for p in ctr.processes() if any("standin_server" in a or "sglang::" in a or "sglang_router" in a for a in p.cmdline)
-            or p.comm.startswith("sglang::")]
+    return [p for p in ctr.processes()
+            if any("standin_server" in a or "sglang::" in a or "sglang_router" in a or "smg::" in a
+                   or "smg.launch_router" in a for a in p.cmdline)
+            or p.comm.startswith(("sglang::", "smg::"))]
 
 

@@ -69,6 +69,7 @@ FAST_MODULES = frozenset({
     "test_admin_key_rules",
     "test_gpu_sharing",
     "test_parking",
+    "test_routers",
 })
 
 

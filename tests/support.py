@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 from supervisord_gpu.checks.simgpu import SimulatedGpus
+from supervisord_gpu.sglang import routers
 from supervisord_gpu.config.loader import load_daemon_config, load_profile
 from supervisord_gpu.daemon import RunOptions, build_instance
 from supervisord_gpu.engine.events import Event
@@ -130,6 +131,7 @@ def write_config(
     router: str = "auto",
     gpu_count: int = 8,
     daemon_extra: str = "",
+    router_kind: str = "sglang-router",
 ) -> Path:
     cdir = tmp / "etc"
     (cdir / "profiles").mkdir(parents=True, exist_ok=True)
@@ -143,6 +145,8 @@ def write_config(
             cache_dir = "{tmp / 'cache'}"
             default_user = "root"
             {daemon_extra}
+            [sglang]
+            router_command = ["python3", "-m", "{routers.BY_NAME[router_kind].module}"]
             [gpus]
             backend = "simulated"
             wait_idle_timeout = 5

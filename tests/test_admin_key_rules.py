@@ -94,8 +94,8 @@ def test_render_gives_each_server_a_key_file_and_never_the_key(tmp_path: Path, c
 def test_a_server_command_the_key_cannot_reach_off_argv_is_refused(tmp_path: Path) -> None:
     cdir = config(tmp_path, one_server(free_ports(1)[0]))
     toml = cdir / "supervisord-gpu.toml"
-    toml.write_text(toml.read_text().replace("enabled = true", "enabled = false")
-                    + '[sglang]\nserver_command = ["/usr/local/bin/sglang", "serve"]\n')
+    toml.write_text(toml.read_text().replace("enabled = true", "enabled = false").replace(
+        "[sglang]\n", '[sglang]\nserver_command = ["/usr/local/bin/sglang", "serve"]\n', 1))
     cfg = load_daemon_config(cdir)
     with pytest.raises(ConfigError, match="server_command.*admin key"):
         render(load_profile(cfg, "p"), cfg)

@@ -31,7 +31,7 @@ import pytest
 
 from supervisord_gpu.config.loader import load_daemon_config, load_profile
 from supervisord_gpu.config.render import render
-from supervisord_gpu.sglang import router_key
+from supervisord_gpu.sglang import router_key, routers
 from supervisord_gpu.rehearsal import standin_router, standin_server
 from supervisord_gpu.rehearsal.setup import stand_ins
 from support import free_ports, make_instance, pd_profile, wait_for, with_env, write_config
@@ -54,6 +54,14 @@ ROUTERS = [
                  marks=pytest.mark.skipif(not have_real_router(), reason="sglang-router not installed")),
     pytest.param("standin", id="standin-router"),
 ]
+#: the same tests against smg 1.13.0, the router people install today (sglang/routers.py)
+ROUTERS_AND_SMG = [*ROUTERS, pytest.param("real-smg", id="real-smg", marks=pytest.mark.skipif(
+    not routers.SMG.installed(), reason="smg not installed"))]
+
+
+def mode(router: str) -> dict[str, str]:
+    """write_config's arguments for a ROUTERS value: real or stand-in, and which router."""
+    return {"router": "real", "router_kind": "smg"} if router == "real-smg" else {"router": router}
 
 
 def profile_text(ports: list[int], liveness_s: float = 3600) -> str:
@@ -210,9 +218,9 @@ def test_a_runtime_dir_others_may_write_is_refused(open_dir: Path) -> None:
 # --------------------------------------------------------------------------- render
 
 
-@pytest.mark.parametrize("router", ROUTERS)
+@pytest.mark.parametrize("router", ROUTERS_AND_SMG)
 def test_render_keeps_the_key_off_argv_and_out_of_the_printed_env(tmp_path: Path, router: str) -> None:
-    cdir = write_config(tmp_path, {"p": profile_text(free_ports(4))}, tmp_path / "cg", router=router)
+    cdir = write_config(tmp_path, {"p": profile_text(free_ports(4))}, tmp_path / "cg", **mode(router))
     cfg = load_daemon_config(cdir)
     launch = next(x for x in render(load_profile(cfg, "p"), cfg, stand_ins(cfg)) if x.spec.kind == "router")
     assert launch.router_key == router_key.key_path(cfg.runtime_dir, "p")
@@ -268,7 +276,7 @@ def test_standin_authorize_matches_the_real_middleware() -> None:
 
 def _start(tmp_path: Path, cgroups: Any, router: str) -> tuple[Any, list[int]]:
     ports = free_ports(4)
-    cdir = write_config(tmp_path, {"p": profile_text(ports)}, cgroups.root, startup=0.3, router=router)
+    cdir = write_config(tmp_path, {"p": profile_text(ports)}, cgroups.root, startup=0.3, **mode(router))
     instance, _ = make_instance(cdir, "p")
     return instance, ports
 
@@ -284,7 +292,7 @@ def _workers(port: int, key: str) -> list[dict[str, Any]]:
 
 
 @as_root
-@pytest.mark.parametrize("router", ROUTERS)
+@pytest.mark.parametrize("router", ROUTERS_AND_SMG)
 def test_nobody_and_a_neighbour_can_neither_add_nor_remove_workers(tmp_path: Path, cgroups: Any, router: str) -> None:
     instance, ports = _start(tmp_path, cgroups, router)
     rport, fake = ports[2], "http://127.0.0.1:9/evil"
@@ -304,9 +312,11 @@ def test_nobody_and_a_neighbour_can_neither_add_nor_remove_workers(tmp_path: Pat
         assert attack_as_nobody(rport, "DELETE", f"/workers/{victim['id']}") == 401
         assert attack_as_nobody(rport, "GET", "/workers") == 401
         # a neighbour (another source address), with no key, a guessed one, and the wrong scheme
-        for headers, text in (({}, b"Missing or invalid Authorization header"),
-                              ({"Authorization": "Bearer guess"}, b"Invalid authentication token"),
-                              ({"Authorization": f"bearer {key}"}, b"Missing or invalid Authorization header")):
+        cases = [({}, b"Missing or invalid Authorization header"),
+                 ({"Authorization": "Bearer guess"}, b"Invalid authentication token")]
+        if router != "real-smg":  # smg takes the scheme in any case (it still needs the key)
+            cases.append(({"Authorization": f"bearer {key}"}, b"Missing or invalid Authorization header"))
+        for headers, text in cases:
             code, hdrs, body = http("POST", rport, "/workers", {"url": fake}, headers, source="127.0.0.2")
             assert (code, body) == (401, text) and hdrs["www-authenticate"] == 'Bearer realm="control-plane"', body
             code, _, _ = http("DELETE", rport, f"/workers/{victim['id']}", headers=headers, source="127.0.0.2")
@@ -327,7 +337,7 @@ def test_nobody_and_a_neighbour_can_neither_add_nor_remove_workers(tmp_path: Pat
 
 
 @as_root
-@pytest.mark.parametrize("router", ROUTERS)
+@pytest.mark.parametrize("router", ROUTERS_AND_SMG)
 def test_a_worker_added_behind_our_back_with_the_key_is_named_and_removed(tmp_path: Path, cgroups: Any,
                                                                            extra_server: int, router: str) -> None:
     instance, ports = _start(tmp_path, cgroups, router)
@@ -348,7 +358,8 @@ def test_a_worker_added_behind_our_back_with_the_key_is_named_and_removed(tmp_pa
             assert [w["url"] for w in await workers.foreign_workers() or []] == [evil]
             check = await workers.enforce(sink, "router")
             assert check.ready and len(check.foreign) == 1 and evil in check.foreign[0], check
-            assert evil not in {w["url"] for w in _workers(rport, key)}
+            # gone (0.3.2), or on its way out: smg lists it as "draining" for a while, out of routing
+            assert evil not in {w["url"] for w in _workers(rport, key) if w.get("status") != "draining"}
             assert (await workers.foreign_workers()) == []
         finally:
             await instance.stop()
@@ -382,21 +393,29 @@ def test_without_the_key_the_daemon_cannot_touch_the_router_and_says_why(tmp_pat
     assert "could not be read" in why and "owned by uid 65534" in why, why
 
 
-@pytest.mark.parametrize("router", ROUTERS)
+@pytest.mark.parametrize("router", [*ROUTERS_AND_SMG, pytest.param("standin-smg", id="standin-smg")])
 def test_a_user_key_gets_403_and_the_data_plane_needs_no_key(tmp_path: Path, router: str) -> None:
     """The router itself, started directly: what the stand-in copies of the real one's auth."""
     port, prom = free_ports(2)
-    module = "sglang_router.launch_router" if router == "real" else "supervisord_gpu.rehearsal.standin_router"
+    module = {"real": "sglang_router.launch_router", "real-smg": "smg.launch_router"}.get(
+        router, "supervisord_gpu.rehearsal.standin_router")
+    env = {**os.environ, routers.STANDIN_KIND_ENV: "smg" if router.endswith("smg") else "sglang-router"}
     p = subprocess.Popen([PY, "-m", module, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host",
                           "127.0.0.1", "--prometheus-port", str(prom), "--control-plane-api-keys",
                           "d:daemon:admin:ADMINKEY", "r:reader:user:USERKEY"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         wait_for(lambda: _answers(port), 15, "the router's port")
-        assert http("GET", port, "/workers", headers={"Authorization": "Bearer USERKEY"})[::2] == (
-            403, b"Admin role required for control plane access")
-        assert http("POST", port, "/workers", {"url": "http://127.0.0.1:9"},
-                    headers={"Authorization": "Bearer USERKEY"})[0] == 403
+        if router.endswith("smg"):  # a user key may read the worker list there, not change it
+            assert http("GET", port, "/workers", headers={"Authorization": "Bearer USERKEY"})[0] == 200
+            assert http("POST", port, "/workers", {"url": "http://127.0.0.1:9"},
+                        headers={"Authorization": "Bearer USERKEY"})[::2] == (
+                403, b"Admin role required for this control plane operation")
+        else:
+            assert http("GET", port, "/workers", headers={"Authorization": "Bearer USERKEY"})[::2] == (
+                403, b"Admin role required for control plane access")
+            assert http("POST", port, "/workers", {"url": "http://127.0.0.1:9"},
+                        headers={"Authorization": "Bearer USERKEY"})[0] == 403
         code, hdrs, _ = http("GET", port, "/get_loads")
         assert code == 401 and hdrs["www-authenticate"] == 'Bearer realm="control-plane"'
         assert http("GET", port, "/workers", headers={"authorization": "Bearer ADMINKEY"})[0] == 200

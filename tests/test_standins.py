@@ -39,7 +39,7 @@ import pytest
 from supervisord_gpu.checks.simgpu import SimulatedGpus
 from supervisord_gpu.rehearsal import standin_router, standin_server
 from supervisord_gpu.rehearsal._http import StandinHTTPServer
-from supervisord_gpu.sglang import exits, options
+from supervisord_gpu.sglang import exits, options, routers
 from support import free_ports, stop_process, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -1114,6 +1114,9 @@ ROUTERS = [
                  marks=pytest.mark.skipif(not have_real_router(), reason="sglang-router not installed")),
     pytest.param(STANDIN_ROUTER, id="standin-router"),
 ]
+#: smg 1.13.0, the router people install today (its worker list has labels, not metadata)
+ROUTERS_AND_SMG = [*ROUTERS, pytest.param([PY, "-m", "smg.launch_router", "--disable-tokenizer-autoload"], id="real-smg",
+                                          marks=pytest.mark.skipif(not routers.SMG.installed(), reason="smg not installed"))]
 
 
 def start_router(procs: Procs, router: list[str], *args: str, prometheus_port: int | None = None,
@@ -1169,7 +1172,7 @@ def test_router_regular_mode(procs: Procs, router: list[str]) -> None:
     assert rp.wait(timeout=10) == 0
 
 
-@pytest.mark.parametrize("router", ROUTERS)
+@pytest.mark.parametrize("router", ROUTERS_AND_SMG)
 def test_router_pd_mode(procs: Procs, router: list[str]) -> None:
     bootstrap = free_port()
     _, pre, _, pre_err = start_server(procs, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",

@@ -154,9 +154,10 @@ def load_daemon_config(config_dir: Path | str | None = None) -> DaemonConfig:
 
     s = top.table("sglang")
     server_command = s.list("server_command", _nonempty_str(path), ("python3", "-m", "sglang.launch_server"))
-    router_command = s.list("router_command", _nonempty_str(path), ("python3", "-m", "sglang_router.launch_router"))
+    # not set: the router installed here (sglang/routers.py), resolved where it is rendered
+    router_command = s.list("router_command", _nonempty_str(path), ())
     for name, cmd in (("server_command", server_command), ("router_command", router_command)):
-        if not cmd:
+        if not cmd and s.has(name):
             raise s.error(name, "must not be empty")
     s.finish()
 

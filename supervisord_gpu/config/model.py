@@ -318,7 +318,9 @@ class DaemonConfig:
     #: while starting, no new log line or phase for this long means stuck: stop extending systemd's timeout
     start_stall_timeout_s: float = 120.0
     sglang_command: tuple[str, ...] = ("python3", "-m", "sglang.launch_server")
-    router_command: tuple[str, ...] = ("python3", "-m", "sglang_router.launch_router")
+    #: as [sglang] router_command names it; () when it names none: the installed router runs
+    #: (sglang/routers.py's `pick`: smg, else sglang-router), resolved in render.Programs.of
+    router_command: tuple[str, ...] = ()
     gpus: GpuConfig = field(default_factory=GpuConfig)
     rehearsal: RehearsalConfig = field(default_factory=RehearsalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

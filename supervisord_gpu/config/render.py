@@ -13,7 +13,8 @@ from ..records import dataclass
 from pathlib import Path
 from collections.abc import Mapping
 
-from ..sglang import admin_key, router_key
+from ..sglang import admin_key, router_key, routers
+from ..sglang.routers import RouterKind
 from ..errors import ConfigError
 from ..sglang.caches import cache_environment
 from .model import DaemonConfig, OptionValue, ProcessSpec, Profile
@@ -32,13 +33,17 @@ class Programs:
     Chosen once, where the daemon is assembled (daemon.py's Backends); render only applies it."""
 
     server: tuple[str, ...]
+    #: () when the config names no router_command and no router is installed (said at render)
     router: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()
+    #: which router `router` runs (sglang/routers.py); None for a command we do not know
+    router_kind: RouterKind | None = None
 
     @classmethod
     def of(cls, cfg: DaemonConfig) -> Programs:
-        """The real programs: `sglang_command` and `router_command` of the config."""
-        return cls(tuple(cfg.sglang_command), tuple(cfg.router_command))
+        """The real programs: `sglang_command`, and `router_command` or else the installed router."""
+        command, kind = routers.resolve(cfg.router_command)
+        return cls(tuple(cfg.sglang_command), command, router_kind=kind)
 
 
 @dataclass(frozen=True)
@@ -111,8 +116,14 @@ def checked_once(spec: ProcessSpec, managed: list[str], rest: list[str]) -> list
     return managed + rest
 
 
-def router_args(spec: ProcessSpec, profile: Profile) -> list[str]:
+def router_args(spec: ProcessSpec, profile: Profile, kind: RouterKind | None = None) -> list[str]:
     rest = _router_topology(spec, profile)
+    if kind is not None:
+        check_router_options(spec, kind)
+        if kind.no_tokenizer_fetch and kind.no_tokenizer_fetch not in rest:
+            # no hub fetch at start: an offline box would otherwise wait on it (and the servers
+            # report their own tokenizer path anyway)
+            rest.append(kind.no_tokenizer_fetch)
     if any(t.split("=", 1)[0] == "--control-plane-api-keys" for t in rest):
         raise ConfigError("", f"{spec.key}.options", "control-plane-api-keys is the daemon's own (a key of its "
                           "making, kept off the command line); a key in the options would be readable in ps")
@@ -131,6 +142,30 @@ def _router_topology(spec: ProcessSpec, profile: Profile) -> list[str]:
     else:
         args += ["--worker-urls", *(profile.process(n).url for n in spec.workers)]
     return args + render_options(spec.options)
+
+
+def check_router_options(spec: ProcessSpec, kind: RouterKind) -> None:
+    """Each [router.options] key against the table of the router that will run (sglang/routers.py):
+    `mini-lb` under smg is one line naming the key, before anything starts."""
+    for key, _ in spec.options:
+        if not routers.has_option(kind, key):
+            raise ConfigError("", f"{spec.key}.options.{key}", f"{kind.name} {kind.version} has no option --{key} "
+                                                             f"(its table: supervisord_gpu/data/{kind.options_file})")
+    least = kind.stop_idle_exit_s + 1.0
+    if spec.stop_timeout_s < least:
+        raise ConfigError("", f"{spec.key}.stop_timeout", f"{spec.stop_timeout_s:g} s is shorter than {kind.name}'s own "
+                          f"stop (it keeps its port {kind.stop_listen_s:g} s after SIGTERM and exits after "
+                          f"~{kind.stop_idle_exit_s:g} s when idle): at least {least:g} s")
+
+
+def check_rl(spec: ProcessSpec, program: tuple[str, ...]) -> None:
+    """`enable-rl` (smg) mounts /v1/rl/..., which pauses every worker and loads new weights into
+    them, behind the control-plane key only: with none configured smg answers anyone. So it is
+    refused unless the router is started through the key shim (sglang/router_key.py)."""
+    if dict(spec.options).get("enable-rl") and not router_key.shim_argv(program):
+        raise ConfigError("", f"{spec.key}.options.enable-rl", "opens /v1/rl (pause every worker, load weights into "
+                          "them) to anyone who reaches the router unless it has the daemon's control-plane key, "
+                          "which this router_command cannot carry (not `PYTHON -m MODULE`)")
 
 
 def router_workers(spec: ProcessSpec, profile: Profile) -> tuple[tuple[str, str], ...]:
@@ -176,6 +211,9 @@ def render(profile: Profile, cfg: DaemonConfig, programs: Programs | None = None
     programs = programs if programs is not None else Programs.of(cfg)
     launches = []
     for spec in profile.processes:
+        if spec.kind == "router" and not programs.router:  # the daemon's file, not the profile, says which
+            raise ConfigError(cfg.path or cfg.config_dir / "supervisord-gpu.toml", "sglang.router_command",
+                              str(routers.NoRouterInstalled()))
         account, env = user_environment(profile, spec)
         tmpdir = cfg.runtime_dir / profile.name / "tmp" / spec.name
         env.append(("TMPDIR", str(tmpdir)))
@@ -195,7 +233,8 @@ def render(profile: Profile, cfg: DaemonConfig, programs: Programs | None = None
                 argv = (*keyed_server(programs.server), *server_args(spec))
                 admin = admin_key.key_path(cfg.runtime_dir, profile.name, spec.name)
             else:
-                argv = (*keyed_router(programs.router), *router_args(spec, profile))
+                check_rl(spec, programs.router)
+                argv = (*keyed_router(programs.router), *router_args(spec, profile, programs.router_kind))
                 key = router_key.key_path(cfg.runtime_dir, profile.name)
         except ConfigError as e:
             raise ConfigError(profile.path, e.key, e.problem) from None

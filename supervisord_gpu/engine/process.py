@@ -31,7 +31,7 @@ from .output import OutputSplitter
 from .probe import ProbeResult, probe, request, who_accepted
 from .restarts import CrashRestarts, RequestedRestarts, Verdict
 from .states import PROCESS_MOVES, ProcessState, check_move
-from .traffic import RouterWorkers
+from .traffic import RouterWorkers, router_verdict
 
 #: why a process is started again: a crash the policy restarts, or an operator's request
 Again = Literal["crash", "request"]
@@ -437,11 +437,8 @@ class ManagedProcess:
             ours = await self._check_listener() if result and result.connected else False
             if status == 200 and ours and spec.bootstrap_port is not None:
                 ours = await self._check_bootstrap_listener()
-            if status == 200 and ours and spec.kind == "router":
-                # the router's own /readiness counts any healthy worker; ours counts the profile's,
-                # and removes anyone else's first (engine/traffic.py, RouterWorkers.enforce)
-                if not (await self.router_api().enforce(self.sink, self.name)).ready:
-                    status = 503
+            if status == 200 and ours and spec.kind == "router" and await self._router_not_ready():
+                status = 503
             if status == 200 and ours and not self._exited.is_set():
                 self.ready_since = time.time()
                 self.phase_durations["total"] = time.monotonic() - started
@@ -473,6 +470,20 @@ class ManagedProcess:
                 await asyncio.wait_for(self._wake.wait(), min(spec.probe.interval_s, remaining))
             except TimeoutError:
                 pass
+
+    async def _router_not_ready(self) -> str:
+        """Why the router is not ready yet ("" when it is): engine/traffic.py's `router_verdict`.
+
+        The router's own /readiness counts any healthy worker; ours counts the profile's, and
+        removes anyone else's first (RouterWorkers.enforce); in PD mode a prefill and a decode
+        must be listed healthy and a first request through the router must answer 200."""
+        api = self.router_api()
+        check = await api.enforce(self.sink, self.name)
+        pd = self.spec.router_mode == "pd"
+        first = None
+        if pd and check.ready and {"prefill", "decode"} <= set(check.healthy_types):
+            first = (await api.first_request())[0]
+        return router_verdict(check, pd, first)
 
     async def _probe_unless_exited(self, host: str) -> ProbeResult | None:
         """One readiness probe, abandoned the moment the process exits (a hung listener on a stolen

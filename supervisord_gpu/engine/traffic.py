@@ -39,7 +39,10 @@ from ..sglang.router_key import RouterKeyError, auth_header, read_key
 POLL_S = 0.1
 API_TIMEOUT_S = 5.0
 ACCEPT_WAIT_S = 2.0  # the router accepts at once; one that does not in this long does not answer either
-FOREIGN_REMOVAL_TIMEOUT_S = 5.0  # the router drops a DELETEd worker from its list in milliseconds
+FOREIGN_REMOVAL_TIMEOUT_S = 5.0  # 0.3.2 drops a DELETEd worker from its list in milliseconds, smg in ~1 s
+#: PD readiness's first request: one token (the real first generation can be a slow one)
+FIRST_REQUEST = {"text": "ready?", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+FIRST_REQUEST_TIMEOUT_S = 60.0
 
 _METRIC = re.compile(r"^sglang:(num_running_reqs|num_queue_reqs)(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
 
@@ -56,6 +59,8 @@ class WorkerCheck:
     foreign: tuple[str, ...] = ()
     #: why the list could not be read or a foreign worker is still in it; "" when neither
     problem: str = ""
+    #: the worker types among our healthy ones ("decode", "prefill", "regular")
+    healthy_types: tuple[str, ...] = ()
 
     @property
     def clean(self) -> bool:
@@ -129,22 +134,27 @@ class RouterWorkers:
         return [w for w in workers if isinstance(w, dict)], ""
 
     async def _find(self, url: str) -> dict[str, Any] | None:
+        """The listed worker at `url`, leaving out one smg still lists as "draining" (DELETEd, on
+        its way out: it never turns healthy again, a new POST is what brings the URL back)."""
         for w in await self.workers() or []:
-            if _url(w) == url:
+            if _url(w) == url and not draining(w):
                 return w
         return None
 
-    async def _listed(self, worker_id: str) -> bool:
-        return any(str(w.get("id", "")) == worker_id for w in await self.workers() or [])
+    async def _routed(self, worker_id: str) -> bool:
+        """Still listed and not draining: smg keeps a DELETEd worker listed as "draining" (out of
+        routing, its requests completing) before it drops it; 0.3.2 drops it at once."""
+        return any(str(w.get("id", "")) == worker_id and not draining(w) for w in await self.workers() or [])
 
     async def _delete(self, worker: dict[str, Any], timeout: float) -> str:
-        """DELETE one worker by id and wait until the list no longer has it; "" once gone, else why not."""
+        """DELETE one worker by id and wait until the list shows it gone or draining (a 202 alone is
+        not "done"); "" then, else why not."""
         worker_id = str(worker.get("id", ""))
         status, body = await self._call("DELETE", f"/workers/{worker_id}")
         if status not in (200, 202, 204):
             return _failed("the router refused to remove it", status, body, 120)
         deadline = time.monotonic() + timeout
-        while await self._listed(worker_id):
+        while await self._routed(worker_id):
             if time.monotonic() > deadline:
                 return f"the router still lists it {timeout:g} s after removing it"
             await asyncio.sleep(POLL_S)
@@ -161,31 +171,43 @@ class RouterWorkers:
         return await self._delete(worker, timeout)
 
     async def restore(self, server: ProcessSpec, timeout: float) -> str:
-        """Add `server` back and wait until the router calls it healthy; "" on success, else why not."""
-        if (w := await self._find(server.url)) is None:
-            body: dict[str, Any] = {"url": server.url}
-            if self.router.router_mode == "pd":
-                body["worker_type"] = server.role
-                if server.role == "prefill":
-                    body["bootstrap_port"] = server.bootstrap_port
-            status, answer = await self._call("POST", "/workers", body)
-            if status not in (200, 201, 202):
-                return _failed("the router refused to add it back", status, answer, 120)
+        """Add `server` back and wait until the router calls it healthy; "" on success, else why not.
+
+        smg refuses a POST for a URL it still lists as "draining" (409 "Worker already exists"):
+        the draining entry is waited out first, within the same timeout."""
         deadline = time.monotonic() + timeout
-        while not ((w := await self._find(server.url)) is not None and w.get("is_healthy", True)):
+        while await self._find(server.url) is None:
+            if not await self._draining(server.url):
+                body: dict[str, Any] = {"url": server.url}
+                if self.router.router_mode == "pd":
+                    body["worker_type"] = server.role
+                    if server.role == "prefill":
+                        body["bootstrap_port"] = server.bootstrap_port
+                status, answer = await self._call("POST", "/workers", body)
+                if status not in (200, 201, 202):
+                    return _failed("the router refused to add it back", status, answer, 120)
+                break
+            if time.monotonic() > deadline:
+                return f"the router still lists it as draining {timeout:g} s later"
+            await asyncio.sleep(POLL_S)
+        while not ((w := await self._find(server.url)) is not None and serving(w)):
             if time.monotonic() > deadline:
                 return f"the router did not take it back within {timeout:g} s"
             await asyncio.sleep(POLL_S)
         return ""
+
+    async def _draining(self, url: str) -> bool:
+        return any(_url(w) == url and draining(w) for w in await self.workers() or [])
 
     def is_ours(self, worker: dict[str, Any]) -> bool:
         """Named by the profile, with the type it gives it (our decode URL listed as a prefill is not ours)."""
         return (_url(worker), str(worker.get("worker_type", "regular"))) in self.expected
 
     async def foreign_workers(self) -> list[dict[str, Any]] | None:
-        """Every listed worker the profile does not name (None: the list could not be read)."""
+        """Every listed worker the profile does not name and the router still routes to (one smg lists
+        as "draining" is on its way out); None: the list could not be read."""
         listed = await self.workers()
-        return None if listed is None else [w for w in listed if not self.is_ours(w)]
+        return None if listed is None else [w for w in listed if not self.is_ours(w) and not draining(w)]
 
     async def enforce(self, sink: LogSink, process: str) -> WorkerCheck:
         """Read the router's list; name each foreign worker at error priority and remove it at once.
@@ -199,7 +221,7 @@ class RouterWorkers:
         if listed is None:
             return WorkerCheck(0, len(self.expected), problem=why)
         found, left = [], []
-        for w in (w for w in listed if not self.is_ours(w)):
+        for w in (w for w in listed if not self.is_ours(w) and not draining(w)):
             found.append(what := _describe(w))
             sink.event(f"{process}: foreign worker {what}: the profile does not name it and it would get users' "
                        "requests; removing it from the router", 3, GPUSUP_PROCESS=process,
@@ -211,9 +233,50 @@ class RouterWorkers:
             else:
                 sink.event(f"{process}: foreign worker {what} removed from the router", 4, GPUSUP_PROCESS=process,
                            GPUSUP_EVENT="foreign-worker-removed", GPUSUP_WORKER=what)
-        healthy = sum(1 for w in listed if self.is_ours(w) and w.get("is_healthy", False))
+        ours = [w for w in listed if self.is_ours(w) and serving(w)]
         problem = f"foreign worker(s) still in the router: {', '.join(left)}" if left else ""
-        return WorkerCheck(healthy, len(self.expected), tuple(found), problem)
+        return WorkerCheck(len(ours), len(self.expected), tuple(found), problem,
+                           tuple(sorted({str(w.get("worker_type", "regular")) for w in ours})))
+
+    async def first_request(self) -> tuple[int | None, bytes]:
+        """One small generation through the router (no key: it is the data plane). In PD mode the
+        router's /readiness, and even its worker list, can say ready before it can route: the real
+        0.3.2 answered the first /generate 503 "No prefill workers available" then."""
+        return await request("POST", self.host, self.port, "/generate", FIRST_REQUEST, timeout=FIRST_REQUEST_TIMEOUT_S,
+                             peer_check=self._accepted_by_the_router)
+
+
+def serving(worker: dict[str, Any]) -> bool:
+    """Healthy in the router's own words: `is_healthy`, and with smg's lifecycle field also "ready"
+    (a worker still registering, or draining after a DELETE answered 202, is not done)."""
+    status = worker.get("status")
+    return worker.get("is_healthy") is True and (status is None or status == "ready")
+
+
+def draining(worker: dict[str, Any]) -> bool:
+    return worker.get("status") == "draining"
+
+
+def router_verdict(check: WorkerCheck, pd: bool, first_request: int | None) -> str:
+    """Is a router ready? "" when it is, else why not (one line for the journal).
+
+    Every worker the profile names healthy and nobody else's listed (`WorkerCheck.ready`); in PD
+    mode also a prefill and a decode among them, and a first request through the router answered
+    200: both routers can say 200 on /health and /readiness before they can route a PD request.
+    `first_request` is that request's status (None: not made, or no answer).
+    """
+    if not check.clean:
+        return check.problem
+    if check.healthy < check.expected:
+        return f"{check.healthy} of the profile's {check.expected} workers healthy in the router"
+    if not pd:
+        return ""
+    missing = [t for t in ("prefill", "decode") if t not in check.healthy_types]
+    if missing:
+        return f"no healthy {' or '.join(missing)} worker in the router's list"
+    if first_request != 200:
+        return f"a first request through it answered {first_request or 'nothing'}, not 200"
+    return ""
 
 
 def _failed(what: str, status: int | None, body: bytes, limit: int) -> str:

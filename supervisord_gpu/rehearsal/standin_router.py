@@ -1,11 +1,22 @@
-"""Stand-in for `python -m sglang_router.launch_router` (sglang-router 0.3.2).
+"""Stand-in for `python -m sglang_router.launch_router` (sglang-router 0.3.2) or
+`python -m smg.launch_router` (smg 1.13.0), whichever SUPERVISORD_GPU_STANDIN_ROUTER names.
+
+Its command line is the played router's own option table (sglang/routers.py, read from that
+router's parser: the table the loader checks profiles against, no second copy). Playing smg it
+also does what smg does differently: process title `smg::router`; after SIGTERM the listener
+stays open (and /readiness says 503 "draining") for its 5 s propagation window, then an idle
+exit ~6.5 s after the signal; a DELETEd worker stays listed as "status": "draining" for about a
+second, or until its requests in flight are done (no new ones reach it; a 202 is not "done";
+a POST for its URL meanwhile is 409 "Worker already exists"); with --enable-rl, /v1/rl/...
+(workers, engine calls fanned out to every worker) behind the control-plane key when one is
+set, open to anyone when none is; a user key may read the worker list ("bearer" in any case).
 
 Used only where the real router is not installed (it is a 31 MB wheel that does run on
 CPU machines, and tests prefer it). It copies what a supervisor sees of the real one,
 as observed running 0.3.2 against stand-in servers (shared/reference/sglang-router.md, and
 re-checked 2026-12-01 for the points below):
 
-* the command line: the 0.3.2 option names and value counts; unknown options exit 2.
+* the command line: the played router's option names and value counts; unknown options exit 2.
   Stricter than the real parser on one point: abbreviations are rejected;
 * its log: tracing's format with ANSI colours on stdout, even into a pipe or file:
   "\x1b[2m2026-12-01 08:47:14\x1b[0m \x1b[32m INFO\x1b[0m \x1b[2msmg::server\x1b[0m\x1b[2m:\x1b[0m
@@ -75,6 +86,8 @@ from typing import Any
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
+from supervisord_gpu.sglang import routers
+from supervisord_gpu.sglang.routers import RouterKind
 from supervisord_gpu.rehearsal._http import (
     JSONHandler,
     SignalLatch,
@@ -84,88 +97,25 @@ from supervisord_gpu.rehearsal._http import (
     set_process_name,
 )
 
-ROUTER_VERSION = "0.3.2"
-POLICIES = ["random", "round_robin", "cache_aware", "power_of_two", "manual"]
 REGISTRATION_BACKOFF_CAP_S = 5.0  # registration retries: 1 s, 2 s, 3 s, ... capped at 5 s
 SRC = "/home/runner/work/sglang/sglang/src"  # where the wheel was built: its log lines name it
-
-# sglang-router 0.3.2's options (read from its RouterArgs.add_cli_args): name -> kind.
-# Kinds: "str"/"int"/"float" one value, "flag" no value, "*"/"+" lists of strings.
-_OPTIONS: dict[str, str] = {
-    "--host": "str", "--port": "int", "--worker-urls": "*", "--policy": "str",
-    "--prefill-policy": "str", "--decode-policy": "str", "--cache-threshold": "float",
-    "--balance-abs-threshold": "int", "--balance-rel-threshold": "float",
-    "--bucket-adjust-interval-secs": "int", "--eviction-interval-secs": "int",
-    "--max-tree-size": "int", "--max-idle-secs": "int", "--assignment-mode": "str",
-    "--max-payload-size": "int", "--dp-aware": "flag", "--enable-igw": "flag", "--mini-lb": "flag",
-    "--pd-disaggregation": "flag", "--worker-startup-timeout-secs": "int",
-    "--worker-startup-check-interval": "int", "--log-dir": "str", "--log-level": "str",
-    "--service-discovery": "flag", "--selector": "+", "--service-discovery-port": "int",
-    "--service-discovery-namespace": "str", "--prefill-selector": "+", "--decode-selector": "+",
-    "--prometheus-port": "int", "--prometheus-host": "str", "--prometheus-duration-buckets": "+",
-    "--request-id-headers": "*", "--request-timeout-secs": "int", "--shutdown-grace-period-secs": "int",
-    "--cors-allowed-origins": "*", "--max-concurrent-requests": "int", "--queue-size": "int",
-    "--queue-timeout-secs": "int", "--rate-limit-tokens-per-second": "int", "--retry-max-retries": "int",
-    "--retry-initial-backoff-ms": "int", "--retry-max-backoff-ms": "int",
-    "--retry-backoff-multiplier": "float", "--retry-jitter-factor": "float", "--disable-retries": "flag",
-    "--cb-failure-threshold": "int", "--cb-success-threshold": "int", "--cb-timeout-duration-secs": "int",
-    "--cb-window-duration-secs": "int", "--disable-circuit-breaker": "flag",
-    "--health-failure-threshold": "int", "--health-success-threshold": "int",
-    "--health-check-timeout-secs": "int", "--health-check-interval-secs": "int",
-    "--health-check-endpoint": "str", "--disable-health-check": "flag", "--model-path": "str",
-    "--tokenizer-path": "str", "--chat-template": "str", "--tokenizer-cache-enable-l0": "flag",
-    "--tokenizer-cache-l0-max-entries": "int", "--tokenizer-cache-enable-l1": "flag",
-    "--tokenizer-cache-l1-max-memory": "int", "--reasoning-parser": "str", "--tool-call-parser": "str",
-    "--mcp-config-path": "str", "--backend": "str", "--history-backend": "str",
-    "--oracle-wallet-path": "str", "--oracle-tns-alias": "str", "--oracle-connect-descriptor": "str",
-    "--oracle-username": "str", "--oracle-password": "str", "--oracle-pool-min": "int",
-    "--oracle-pool-max": "int", "--oracle-pool-timeout-secs": "int", "--postgres-db-url": "str",
-    "--postgres-pool-max": "int", "--redis-url": "str", "--redis-pool-max": "int",
-    "--redis-retention-days": "int", "--client-cert-path": "str", "--client-key-path": "str",
-    "--ca-cert-paths": "*", "--tls-cert-path": "str", "--tls-key-path": "str", "--enable-trace": "flag",
-    "--otlp-traces-endpoint": "str", "--api-key": "str", "--control-plane-api-keys": "*",
-    "--control-plane-audit-enabled": "flag", "--jwt-issuer": "str", "--jwt-audience": "str",
-    "--jwt-jwks-uri": "str", "--jwt-role-mapping": "*",
-}
-_DEFAULTS: dict[str, Any] = {
-    "--host": "0.0.0.0", "--port": 30000, "--worker-urls": [], "--policy": "cache_aware",
-    "--worker-startup-timeout-secs": 1800, "--worker-startup-check-interval": 30, "--log-level": "info",
-    "--prometheus-port": 29000, "--prometheus-host": "0.0.0.0", "--request-timeout-secs": 1800,
-    "--shutdown-grace-period-secs": 180, "--health-failure-threshold": 3, "--health-success-threshold": 2,
-    "--health-check-timeout-secs": 5, "--health-check-interval-secs": 60, "--health-check-endpoint": "/health",
-    "--max-concurrent-requests": -1, "--backend": "sglang", "--history-backend": "memory",
-}
-_CHOICES: dict[str, list[str]] = {
-    "--policy": POLICIES, "--prefill-policy": POLICIES + ["bucket"], "--decode-policy": POLICIES,
-    "--log-level": ["debug", "info", "warn", "error"], "--assignment-mode": ["random", "min_load", "min_group"],
-    "--backend": ["sglang", "openai"], "--history-backend": ["memory", "none", "oracle", "postgres", "redis"],
-}
+#: smg lists a DELETEd worker as "draining" (is_healthy false, no new requests) until the
+#: requests it has complete, then drops it (observed: ~1 s with nothing in flight; 0.1 s after
+#: the last of them with a 6 s request in flight)
+SMG_DRAINING_S = 1.0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="launch_router.py", allow_abbrev=False,
-        description="Stand-in for `python -m sglang_router.launch_router` 0.3.2 (supervisord-gpu rehearsal).",
-    )
-    types = {"int": int, "float": float, "str": str}
-    for name, kind in _OPTIONS.items():
-        dest = name[2:].replace("-", "_")
-        if kind == "flag":
-            parser.add_argument(name, dest=dest, action="store_true", default=False)
-            continue
-        kwargs: dict[str, Any] = {"dest": dest, "default": _DEFAULTS.get(name)}
-        if kind in ("*", "+"):
-            kwargs["nargs"] = kind
-            kwargs["type"] = float if name == "--prometheus-duration-buckets" else str
-        else:
-            kwargs["type"] = types[kind]
-        if name in _CHOICES:
-            kwargs["choices"] = _CHOICES[name]
-        parser.add_argument(name, **kwargs)
-    # --prefill URL [BOOTSTRAP_PORT|none] and --decode URL, each repeatable.
-    parser.add_argument("--prefill", dest="prefill", nargs="+", action="append", default=None)
-    parser.add_argument("--decode", dest="decode", nargs=1, action="append", default=None)
-    return parser
+def played() -> RouterKind:
+    """The router this stand-in plays: SUPERVISORD_GPU_STANDIN_ROUTER (a RouterKind name, which the
+    rehearsal sets to the router production would run), sglang-router 0.3.2 when unset."""
+    name = os.environ.get(routers.STANDIN_KIND_ENV, "")
+    return routers.BY_NAME.get(name, routers.SGLANG_ROUTER)
+
+
+def build_parser(kind: RouterKind | None = None) -> argparse.ArgumentParser:
+    """The played router's command line, from its option table (sglang/routers.py: the same table
+    the loader checks [router.options] against)."""
+    return routers.build_parser(kind or played())
 
 
 @dataclass
@@ -186,13 +136,17 @@ class Worker:
     model_id: str = "unknown"
     metadata: dict[str, str] = field(default_factory=dict)
     load: int = 0
+    #: smg: DELETEd, out of routing, still listed (status "draining") until it is gone
+    draining: bool = False
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self, with_status: bool = False) -> dict[str, Any]:
         d: dict[str, Any] = {
             "id": self.id, "url": self.url, "model_id": self.model_id, "priority": 50, "cost": 1.0,
-            "worker_type": self.worker_type, "is_healthy": self.healthy, "load": self.load,
+            "worker_type": self.worker_type, "is_healthy": self.healthy and not self.draining, "load": self.load,
             "connection_mode": "HTTP",
         }
+        if with_status:  # smg's lifecycle field
+            d["status"] = "draining" if self.draining else ("ready" if self.healthy else "pending")
         if self.worker_type == "prefill":
             d["bootstrap_port"] = self.bootstrap_port
         d["metadata"] = self.metadata
@@ -330,6 +284,7 @@ CONTROL_PLANE_PATHS = ("/workers", "/get_loads", "/flush_cache")
 _MISSING_AUTH = "Missing or invalid Authorization header"
 _BAD_TOKEN = "Invalid authentication token"
 _NOT_ADMIN = "Admin role required for control plane access"
+_SMG_NOT_ADMIN = "Admin role required for this control plane operation"
 
 
 @dataclass(frozen=True)
@@ -354,27 +309,39 @@ def parse_control_plane_keys(entries: list[str] | None) -> list[ApiKey]:
     return keys
 
 
+#: smg --enable-rl: the RL control plane (worker discovery, pause, weight updates fanned out)
+RL_PREFIX = "/v1/rl/"
+
+
 def is_control_plane(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in CONTROL_PLANE_PATHS)
 
 
-def authorize(keys: list[ApiKey], header: str | None) -> tuple[int, str, ApiKey | None]:
-    """(0, "", key) when `header` carries an admin key; else the real router's status and text."""
-    if header is None or not header.startswith("Bearer "):
+def authorize(keys: list[ApiKey], header: str | None, method: str = "POST",
+              smg: bool = False) -> tuple[int, str, ApiKey | None]:
+    """(0, "", key) when `header` carries a key allowed to do this; else the real router's status
+    and text. smg 1.13.0 (observed): the scheme in any case ("bearer KEY" too), and a user key
+    may read (GET /workers, /get_loads) while changes want an admin key, with another 403 text."""
+    scheme = header[:7] if header is not None else ""
+    if header is None or not (scheme.lower() == "bearer " if smg else scheme == "Bearer "):
         return 401, _MISSING_AUTH, None
     token = header[len("Bearer "):].encode()
     found = next((k for k in keys if hmac.compare_digest(k.key.encode(), token)), None)
     if found is None:
         return 401, _BAD_TOKEN, None
-    if found.role != "admin":
-        return 403, _NOT_ADMIN, found
+    if found.role != "admin" and not (smg and method == "GET"):
+        return 403, _SMG_NOT_ADMIN if smg else _NOT_ADMIN, found
     return 0, "", found
 
 
 class StandinRouter:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.kind = played()
         self.keys = parse_control_plane_keys(args.control_plane_api_keys)
+        #: smg's /v1/rl control plane (--enable-rl): behind the control-plane key only when one is set
+        self.rl = bool(getattr(args, "enable_rl", False))
+        self.draining = False  # smg, after SIGTERM: the propagation window
         self.pd = bool(args.pd_disaggregation)
         self.lock = threading.Lock()
         self.workers: list[Worker] = []
@@ -397,7 +364,7 @@ class StandinRouter:
 
     def run(self) -> int:
         a = self.args
-        set_process_name("sglang::router")
+        set_process_name(self.kind.title)
         try:  # the metrics exporter is installed before the logger: a panic, nothing on stdout
             self.prom = StandinHTTPServer(a.prometheus_host, a.prometheus_port, _make_prom_handler(self))
         except OSError as e:
@@ -409,7 +376,7 @@ class StandinRouter:
         else:
             mode = f"Regular {{ worker_urls: {json.dumps([w.url for w in self.workers])} }}"
         log("INFO", "smg::server", f"Starting router on {a.host}:{a.port} | mode: {mode} | policy: "
-            f"{_policy_text(a.policy)} | max_payload: 512MB | stand-in sglang-router {ROUTER_VERSION}", 794)
+            f"{_policy_text(a.policy)} | max_payload: 512MB | stand-in {self.kind.name} {self.kind.version}", 794)
         log("INFO", "smg::server", f"Initializing workers for routing mode: {mode}", 833)
         log("INFO", "smg::server", "Worker initialization job submitted (will complete in background)", 851)
         log("INFO", "smg::server", "Workers initialized: 0 total, 0 healthy", 875)
@@ -437,6 +404,14 @@ class StandinRouter:
     def _shutdown(self) -> int:
         log("INFO", "smg::server", "Received terminate signal, starting graceful shutdown", 1088)
         assert self.http is not None
+        window = self.kind.stop_listen_s
+        if window:  # smg: the port stays open (and served) while load balancers notice, then closes
+            self.draining = True
+            log("INFO", "smg::server", f"Beginning graceful shutdown: readiness draining in_flight="
+                f"{self.http.inflight.count}", 2039)
+            log("INFO", "smg::server", f"Keeping listener open during load-balancer propagation window "
+                f"settle_secs={window:g}", 2045)
+            time.sleep(window)
         self.http.shutdown()  # stop accepting...
         self.http.server_close()  # ...and close the listener: new connections are refused
         if not self.http.inflight.wait_idle(self.args.shutdown_grace_period_secs):
@@ -444,6 +419,11 @@ class StandinRouter:
         if self.prom is not None:
             self.prom.shutdown()
             self.prom.server_close()
+        if window:  # smg's component clean-up: an idle one exits ~6.5 s after SIGTERM in all
+            log("INFO", "smg::server", "HTTP server stopped. Starting component cleanup...", 2102)
+            time.sleep(max(0.0, self.kind.stop_idle_exit_s - window))
+            log("INFO", "smg::server", "Cleanup complete. Process exiting.", 2111)
+            return 0
         log("INFO", "smg::server", "Server shutdown complete", 1110)
         return 0
 
@@ -461,15 +441,40 @@ class StandinRouter:
         return w
 
     def remove_worker(self, worker_id: str) -> Worker | None:
-        """DELETE /workers/{id}: out of routing and of the listing at once; in-flight requests finish."""
+        """DELETE /workers/{id}: out of routing at once; in-flight requests finish. 0.3.2 drops it from
+        the listing at once too; smg lists it as "draining" for a while (a 202 is not "done")."""
         with self.lock:
             w = next((x for x in self.workers if x.id == worker_id and x.registered and not x.dropped), None)
             if w is None:
                 return None
+            if self.kind.workers_async:
+                if not w.draining:
+                    w.draining = True
+                    threading.Thread(target=self._drain, args=(w,), daemon=True).start()
+                return w
             w.removed = True
             self.workers.remove(w)
         log("INFO", "smg::core::steps::worker::local::update_remaining_policies", f"Removed worker {w.url}", 56)
         return w
+
+    def draining_at(self, url: str) -> Worker | None:
+        with self.lock:
+            return next((w for w in self.workers if w.url == url and w.draining and not w.removed), None)
+
+    def _drain(self, w: Worker) -> None:
+        """smg: out of routing now; dropped from the list once its requests are done (and ~1 s passed)."""
+        began = time.monotonic()
+        while w.load > 0 or time.monotonic() - began < SMG_DRAINING_S:
+            if self.stopping.wait(0.05):
+                return
+        self._forget(w)
+
+    def _forget(self, w: Worker) -> None:
+        with self.lock:
+            w.removed = True
+            if w in self.workers:
+                self.workers.remove(w)
+        log("INFO", "smg::core::steps::worker::local::update_remaining_policies", f"Removed worker {w.url}", 56)
 
     def find(self, worker_id: str) -> Worker | None:
         with self.lock:
@@ -570,7 +575,7 @@ class StandinRouter:
 
     def healthy(self, worker_type: str) -> list[Worker]:
         with self.lock:
-            return [w for w in self.workers if w.registered and w.healthy and not w.dropped
+            return [w for w in self.workers if w.registered and w.healthy and not w.dropped and not w.draining
                     and w.worker_type == worker_type]
 
     def registered(self) -> list[Worker]:
@@ -579,6 +584,8 @@ class StandinRouter:
 
     def readiness(self) -> tuple[int, dict[str, Any]]:
         regs = self.registered()
+        if self.draining:
+            return 503, {"status": "not ready", "reason": "draining"}  # smg 1.13.0's words
         if self.pd:
             ok = bool(self.healthy("prefill")) and bool(self.healthy("decode"))
         else:
@@ -684,7 +691,8 @@ def _make_handler(app: StandinRouter) -> type[JSONHandler]:
             log_request(self.command, uri, self.request_id)
             t0 = time.monotonic()
             try:
-                if not (app.keys and is_control_plane(uri) and self._refused()):
+                guarded = is_control_plane(uri) or (app.rl and uri.startswith(RL_PREFIX))
+                if not (app.keys and guarded and self._refused()):
                     handle()
             finally:
                 log_request(self.command, uri, self.request_id, self.status_sent or 500,
@@ -692,7 +700,8 @@ def _make_handler(app: StandinRouter) -> type[JSONHandler]:
 
         def _refused(self) -> bool:
             """The control plane's auth middleware: True after answering 401/403."""
-            status, text, key = authorize(app.keys, self.headers.get("Authorization"))
+            status, text, key = authorize(app.keys, self.headers.get("Authorization"), self.command,
+                                          smg=app.kind is routers.SMG)
             if not status:
                 return False
             if key is not None:
@@ -719,7 +728,7 @@ def _make_handler(app: StandinRouter) -> type[JSONHandler]:
 
         def _workers_get(self) -> None:
             regs = app.registered()
-            self.send_json(200, {"workers": [w.describe() for w in regs], "total": len(regs), "stats": {
+            self.send_json(200, {"workers": [w.describe(app.kind.workers_async) for w in regs], "total": len(regs), "stats": {
                 "prefill_count": sum(w.worker_type == "prefill" for w in regs),
                 "decode_count": sum(w.worker_type == "decode" for w in regs),
                 "regular_count": sum(w.worker_type == "regular" for w in regs)}})
@@ -732,7 +741,7 @@ def _make_handler(app: StandinRouter) -> type[JSONHandler]:
             if w is None:
                 self._not_found(worker_id)
             else:
-                self.send_json(200, w.describe())
+                self.send_json(200, w.describe(app.kind.workers_async))
 
         def _worker_delete(self, path: str) -> None:
             worker_id = self._worker_id(path)
@@ -758,6 +767,12 @@ def _make_handler(app: StandinRouter) -> type[JSONHandler]:
             kind = body.get("worker_type")
             kind = kind if kind in ("prefill", "decode") else "regular"
             port = body.get("bootstrap_port")
+            leaving = app.draining_at(url)
+            if leaving is not None:  # smg: a URL still draining is refused, not revived
+                self.send_json(409, {"error": f"Worker already exists at URL '{url}' with ID {leaving.id}. Use PUT "
+                                              f"/workers/{leaving.id} to update an existing worker.",
+                                     "code": "WORKER_ALREADY_EXISTS"})
+                return
             w = app.add_worker(url, kind, port if isinstance(port, int) else None)
             self.send_bytes(202, json.dumps({"status": "accepted", "worker_id": w.id, "url": url,
                                              "location": f"/workers/{w.id}",
@@ -785,8 +800,37 @@ def _make_handler(app: StandinRouter) -> type[JSONHandler]:
                 status, ctype, body = app.forward(self.path.split("?", 1)[0], raw)
                 self.send_bytes(status, body, ctype)
 
+        def _rl(self, path: str) -> None:
+            """smg's /v1/rl: GET workers; POST engine/{call}?selector=... fanned out to every worker."""
+            if self.command == "GET" and path == RL_PREFIX + "workers":
+                regs = app.registered()
+                self.send_json(200, {"protocol_version": 1, "workers": [
+                    {"id": w.id, "url": w.url, "base_url": w.url, "engine": "sglang"} for w in regs]})
+                return
+            if self.command == "POST" and path.startswith(RL_PREFIX + "engine/"):
+                if "selector=" not in self.path:
+                    self.send_json(400, {"error": "selector_required",
+                                         "message": "a non-empty `selector` query parameter is required"})
+                    return
+                raw = self.read_body()
+                call = "/" + path[len(RL_PREFIX + "engine/"):]
+                results: list[tuple[str, int]] = []
+                for w in app.registered():
+                    try:
+                        status, _, _ = fetch("POST", w.url.rstrip("/") + call, raw, timeout=30.0)
+                    except OSError:
+                        status = 502
+                    results.append((w.url, status))
+                self.send_json(200, {"results": [{"url": u, "status": c} for u, c in results],
+                                     "failed": [{"url": u, "status": c} for u, c in results if c >= 400]})
+                return
+            self.send_json(404, {"error": "not_found"})
+
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
+            if app.rl and path.startswith(RL_PREFIX):
+                self._logged(lambda: self._rl(path))
+                return
             if path.startswith("/workers/"):
                 self._logged(lambda: self._worker_get(path))
                 return
@@ -803,6 +847,10 @@ def _make_handler(app: StandinRouter) -> type[JSONHandler]:
             }))
 
         def do_POST(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if app.rl and path.startswith(RL_PREFIX):
+                self._logged(lambda: self._rl(path))
+                return
             self._logged(lambda: self.dispatch({
                 "/generate": self._forward,
                 "/v1/completions": self._forward,
