@@ -67,6 +67,7 @@ FAST_MODULES = frozenset({
     "test_cluster_credentials",
     "test_cli_logs",
     "test_admin_key_rules",
+    "test_hang_rules",
 })
 
 

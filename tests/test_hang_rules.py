@@ -167,3 +167,69 @@ def test_sglang_process_titles_name_the_roles():
     assert server_metrics.role_of("sglang::detoken", False) == "detokenizer"
     assert server_metrics.role_of("anything", True) == "front end"
     assert server_metrics.role_of("python3", False) == ""
+
+
+def test_a_py_spy_that_hangs_is_killed_at_its_bound_and_the_kill_goes_on(tmp_path):
+    """py-spy may wait on a stopped process for ever; the stacks never delay the kill past their bound."""
+    import asyncio
+    import time
+
+    from supervisord_gpu.engine.hang_sampler import dump_stacks
+
+    fake = tmp_path / "py-spy"
+    fake.write_text("#!/bin/sh\nsleep 60\n")
+    fake.chmod(0o755)
+    began = time.monotonic()
+    text = asyncio.run(dump_stacks(1, 0.5, str(fake)))
+    assert time.monotonic() - began < 2.0 and text == "py-spy gave no stacks within 0.5 s", text
+    assert asyncio.run(dump_stacks(1, 0.5, str(tmp_path / "none"))).startswith("py-spy did not start")
+
+
+def test_stacks_from_the_childs_memory_reach_the_journal_printable_and_bounded(tmp_path):
+    """The model code names its functions: escape sequences and megabytes of them are cut."""
+    import asyncio
+
+    from supervisord_gpu.engine.hang_sampler import STACKS_MAX_BYTES, dump_stacks
+
+    fake = tmp_path / "py-spy"
+    fake.write_text("#!/bin/sh\nprintf 'Thread 7 (idle): \"MainThread\"\\n    evil\\033[2J\\007 (model.py:1)\\n'\n"
+                    "head -c 100000 /dev/zero | tr '\\0' x\n")
+    fake.chmod(0o755)
+    text = asyncio.run(dump_stacks(1, 5.0, str(fake)))
+    assert text.startswith('Thread 7 (idle): "MainThread"\n    evil?[2J? (model.py:1)\n'), text[:80]
+    assert len(text) <= STACKS_MAX_BYTES + 20 and text.endswith("... (cut)")
+
+
+def test_an_endless_metrics_body_is_read_no_further_than_its_bound_and_is_no_evidence():
+    """The server's /metrics is the child's (and, while it is down, its port holder's) to write."""
+    import asyncio
+
+    from supervisord_gpu.engine.probe import request
+
+    async def go() -> tuple[int | None, int, str]:
+        async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n")
+            try:
+                for _ in range(4096):  # 256 MiB if read to the end
+                    writer.write(b"sglang:num_running_reqs 1\n" * 2520)
+                    await writer.drain()
+            except (ConnectionError, OSError):
+                pass
+            writer.close()
+
+        server = await asyncio.start_server(endless, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            status, body = await request("GET", "127.0.0.1", port, "/metrics", timeout=20,
+                                         max_bytes=server_metrics.MAX_BODY)
+        try:
+            server_metrics.parse(body)
+            why = ""
+        except MetricsError as e:
+            why = str(e)
+        return status, len(body), why
+
+    status, size, why = asyncio.run(go())
+    assert status == 200 and size <= server_metrics.MAX_BODY + (1 << 16) + 64, size
+    assert why == f"/metrics body of more than {server_metrics.MAX_BODY} bytes"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -154,18 +155,19 @@ async def dump_stacks(pid: int, timeout: float, py_spy: str | None = None) -> st
         return "py-spy not installed"
     try:
         proc = await asyncio.create_subprocess_exec(tool, "dump", "--pid", str(pid), stdin=asyncio.subprocess.DEVNULL,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                                                    start_new_session=True)
     except OSError as e:
         return f"py-spy did not start ({e.strerror})"
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout)
     except TimeoutError:
         try:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session and group: whatever it started goes too
         except ProcessLookupError:
             pass
         try:
-            await asyncio.wait_for(proc.wait(), 1.0)
+            await asyncio.wait_for(proc.communicate(), 1.0)  # reaped, its pipe read to the end and closed
         except TimeoutError:
             pass
         return f"py-spy gave no stacks within {timeout:g} s"
