@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from ..ownership.procfs import run_state
+from ..ownership.procfs import read_text, run_state
 from ..sglang import server_metrics
 from ..sglang.server_metrics import MetricsError, ServerMetrics
 from .hang import Observation, ProcSample
@@ -110,7 +110,11 @@ class HangSampler:
             if seen is None:
                 continue
             comm, state, ticks = seen
-            out.append(ProcSample(pid, server_metrics.role_of(comm, pid == self.main_pid), state, ticks))
+            role = server_metrics.role_of(comm, pid == self.main_pid)
+            if not role:  # setproctitle rewrites argv; whether comm follows depends on its version
+                title = (read_text(pid, "cmdline") or "").split("\0")[0].strip()
+                role = server_metrics.role_of(title[:15], False)
+            out.append(ProcSample(pid, role, state, ticks))
         return tuple(out)
 
     async def look(self, serving: bool | None) -> Observation:
