@@ -54,7 +54,7 @@ def test_a_sigstopped_detokenizer_is_hung_within_the_window_while_the_rest_answe
     at, verdict = run(s, 60)
     assert at is not None and at <= WINDOW + 2 * STEP, at
     assert verdict.pids == (DETOK,) and "its detokenizer (pid 102) has been stopped (state T)" in verdict.kill
-    assert "detokenizer 102 state T 0.00 s CPU" in verdict.evidence
+    assert "detokenizer 102 state T 0.00 s CPU" in verdict.evidence and "\n" not in verdict.evidence
 
 
 def test_a_sigstopped_scheduler_or_front_end_is_hung_even_while_ready_says_503():

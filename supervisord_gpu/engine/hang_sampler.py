@@ -91,6 +91,15 @@ class GpuUtilization:
         except Exception:  # noqa: BLE001
             return None
 
+    def close(self) -> None:
+        """Blocking (NVML): its nvmlInit is counted, so each one is matched."""
+        if self._handles:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:  # noqa: BLE001
+                pass
+        self._handles = []
+
 
 class HangSampler:
     """Builds one Observation per look for one ready server."""
@@ -142,6 +151,7 @@ class HangSampler:
     def close(self) -> None:
         self.scheduler.cancel()
         self.front.cancel()
+        self.gpus.close()
 
 
 def printable(text: str, limit: int = STACKS_MAX_BYTES) -> str:
