@@ -70,6 +70,7 @@ FAST_MODULES = frozenset({
     "test_gpu_sharing",
     "test_parking",
     "test_routers",
+    "test_hang_rules",
 })
 
 

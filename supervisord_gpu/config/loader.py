@@ -52,7 +52,8 @@ ROUTER = "router"
 SERVER_PROBE = Probe(path="/health", interval_s=0.5, timeout_s=timing.HEALTH_VERDICT_S + 5,
                      liveness_path=timing.CHEAP_STATUS_PATH, liveness_interval_s=10.0,
                      liveness_timeout_s=timing.HEALTH_VERDICT_S, failures=3,
-                     scheduler_path=timing.SCHEDULER_ROUND_TRIP_PATH, scheduler_timeout_s=timing.WATCHDOG_S)
+                     scheduler_path=timing.SCHEDULER_ROUND_TRIP_PATH, scheduler_timeout_s=timing.WATCHDOG_S,
+                     hang_window_s=timing.HANG_WINDOW_S, hang_interval_s=timing.HANG_INTERVAL_S)
 #: a hard cap on a start that keeps making progress (engine/deadline.py)
 START_TIMEOUT_MAX_S = 14400.0
 #: the router: /readiness (all workers healthy) and /liveness, both instant
@@ -473,6 +474,10 @@ def _probe(t: Table, defaults: Probe, server: bool) -> Probe:
         scheduler_path=defaults.scheduler_path,
         scheduler_timeout_s=p.number("scheduler_timeout", defaults.scheduler_timeout_s, lo=0.05, hi=86400)
         if defaults.scheduler_path else defaults.scheduler_timeout_s,
+        hang_window_s=p.number("hang_window", defaults.hang_window_s, lo=0, hi=86400)
+        if defaults.scheduler_path else defaults.hang_window_s,
+        hang_interval_s=p.number("hang_interval", defaults.hang_interval_s, lo=0.05, hi=600)
+        if defaults.scheduler_path else defaults.hang_interval_s,
     )
     for key, value in (("path", probe.path), ("liveness_path", probe.liveness_path)):
         if not value.startswith("/"):

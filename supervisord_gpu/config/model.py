@@ -13,6 +13,8 @@ Role = Literal["regular", "prefill", "decode", "router"]
 #: SGLang 0.5.23 with dp-attention across nodes binds these offsets of --dist-init-addr's port
 #: on every node (sglang-server.md, second round)
 DP_ATTENTION_DIST_INIT_OFFSETS = (1, 2, 3, 4, 5, 6, 13)
+#: before a hang kill, how long the stacks of the hung process may take (py-spy; engine/process.py)
+STACK_DUMP_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -39,11 +41,21 @@ class Probe:
     #: a scheduler that answers nothing for scheduler_timeout_s is hung (engine/liveness.py)
     scheduler_path: str | None = None
     scheduler_timeout_s: float = 300.0
+    #: servers: the hang verdict (engine/hang.py): a stage stopped, or a scheduler (front end) that
+    #: neither answers nor works, for hang_window_s is hung; looked at every hang_interval_s; 0 = off
+    hang_window_s: float = 0.0
+    hang_interval_s: float = 2.0
 
     @property
     def liveness_bound_s(self) -> float:
         """The longest a process that stopped answering stays up before it is killed."""
         return self.failures * (self.liveness_interval_s + self.liveness_timeout_s)
+
+    @property
+    def hang_bound_s(self) -> float:
+        """The longest a hung server (engine/hang.py) stays up: the window, two looks (the first
+        after the hang, and the one that closes the window) and the bounded stack dump."""
+        return self.hang_window_s + 2 * self.hang_interval_s + STACK_DUMP_S
 
 
 RestartMode = Literal["never", "on-failure", "always"]

@@ -111,14 +111,15 @@ def _healthy_workers(body: bytes) -> int:
 
 async def request(method: str, host: str, port: int, path: str, body: object = None,
                   timeout: float = 5.0, headers: Mapping[str, str] | None = None,
-                  peer_check: PeerCheck | None = None) -> tuple[int | None, bytes]:
+                  peer_check: PeerCheck | None = None, max_bytes: int | None = None) -> tuple[int | None, bytes]:
     """One HTTP/1.1 request with an optional JSON body; (status, body), status None without an answer.
 
     For the few control calls the engine makes (the router's /workers API, a server's load):
     small bodies, one connection each, never blocking the loop. `headers` (the router's
     `Authorization: Bearer KEY`) must not hold CR or LF: a value that could add a header of its
     own is refused (ValueError), never sent. With `peer_check`, nothing is sent unless it says
-    the process that accepted the connection is ours; otherwise (None, its reason).
+    the process that accepted the connection is ours; otherwise (None, its reason). With
+    `max_bytes`, reading stops past that many bytes (a neighbour's endless body costs no memory).
     """
     extra = "".join(f"{name}: {value}\r\n" for name, value in _safe(headers or {}))
     writer = None
@@ -134,7 +135,12 @@ async def request(method: str, host: str, port: int, path: str, body: object = N
                     + extra + "\r\n")
             writer.write(head.encode() + payload)
             await writer.drain()
-            raw = await reader.read()
+            if max_bytes is None:
+                raw = await reader.read()
+            else:
+                raw = b""
+                while len(raw) <= max_bytes and (chunk := await reader.read(1 << 16)):
+                    raw += chunk
     except (TimeoutError, OSError, ValueError):
         return None, b""
     finally:

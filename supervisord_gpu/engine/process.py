@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Literal
 
 from ..checks.ports import ListenerOwnership, check_ports, listener_ownership
+from ..config.model import STACK_DUMP_S
 from ..config.render import Launch
 from ..errors import StartError
 from ..ownership.base import OwnershipDriver, Spawned, SpawnRequest
@@ -24,7 +25,10 @@ from ..ownership.files import PrivateDir, ShmTracker
 from ..ownership.procfs import cpu_ticks
 from ..sglang import exits
 from ..sglang import logs as phases
+from ..sglang.server_metrics import MAX_BODY as METRICS_MAX_BODY
 from .deadline import StartDeadline
+from .hang import HangVerdict, HangWatch
+from .hang_sampler import CLK_TCK, GpuUtilization, HangSampler, dump_stacks
 from .events import Event, LogSink
 from .liveness import LivenessWatch
 from .output import OutputSplitter
@@ -140,6 +144,7 @@ class ManagedProcess:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._liveness: asyncio.Task[None] | None = None
+        self._hang: asyncio.Task[None] | None = None  # the hang verdict's watch (engine/hang.py)
         self._stopping = False
         #: a router's readiness needs all of its workers healthy, not just one
         self.expected_workers = len(self.spec.workers) + len(self.spec.prefill) + len(self.spec.decode)
@@ -501,6 +506,66 @@ class ManagedProcess:
     def _start_liveness(self) -> None:
         self._liveness = asyncio.get_running_loop().create_task(self._watch_liveness())
         self._liveness.add_done_callback(self._liveness_ended)
+        cfg = self.spec.probe
+        if cfg.scheduler_path is not None and cfg.hang_window_s > 0 and (self._hang is None or self._hang.done()):
+            self._hang = asyncio.get_running_loop().create_task(self._watch_hang())
+            self._hang.add_done_callback(self._hang_ended)
+
+    def _hang_ended(self, task: asyncio.Task[None]) -> None:
+        """Like liveness: an error of ours in the hang watch is named and the watch goes on."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self.sink.event(f"{self.name}: hang check failed ({task.exception()!r}); it goes on", 3,
+                        GPUSUP_PROCESS=self.name, GPUSUP_EVENT="liveness-error")
+        if self.state == ProcessState.READY and not self._stopping and not self._exited.is_set():
+            self._hang = asyncio.get_running_loop().create_task(self._watch_hang())
+            self._hang.add_done_callback(self._hang_ended)
+
+    async def _watch_hang(self) -> None:
+        """After ready, every hang_interval: one look for the hang verdict (engine/hang.py has what
+        each signal means); a hung server's evidence and stacks go to the journal, then its cgroup
+        is killed and the exit goes through the restart policy. Ends when it is no longer READY
+        (stopping, parked, exited)."""
+        spec, cfg = self.spec, self.spec.probe
+        assert self.spawned is not None and cfg.scheduler_path is not None
+        spawned, scheduler_path = self.spawned, cfg.scheduler_path
+        wait = max(60.0, 4 * cfg.hang_window_s)  # a request of ours that waits longer is sent again
+
+        async def ask(path: str) -> tuple[int | None, bytes]:
+            return await request("GET", spec.probe_host, spec.port, path, timeout=wait,
+                                 peer_check=self._accepted_by_us, max_bytes=METRICS_MAX_BODY)
+
+        sampler = HangSampler(spawned.pid, spawned.group.pids, lambda: ask(scheduler_path), lambda: ask("/metrics"),
+                              GpuUtilization(spec.gpus))
+        watch = HangWatch(cfg.hang_window_s, CLK_TCK)
+        try:
+            while True:
+                await asyncio.sleep(cfg.hang_interval_s)
+                if self.state != ProcessState.READY or self._exited.is_set() or self._stopping:
+                    return
+                verdict = watch.observe(await sampler.look(self.serving))
+                if verdict.kill:
+                    await self._kill_hung(verdict)
+                    return
+        finally:
+            sampler.close()
+
+    async def _kill_hung(self, verdict: HangVerdict) -> None:
+        """The evidence in one line, the stacks of the hung processes (py-spy, at most
+        STACK_DUMP_S in all, never longer), then SIGKILL of its cgroup."""
+        self.sink.event(f"{self.name}: hung: {verdict.kill}. Evidence: {verdict.evidence}", 4,
+                        GPUSUP_PROCESS=self.name, GPUSUP_EVENT="hang")
+        stacks = await asyncio.gather(*(dump_stacks(pid, STACK_DUMP_S) for pid in verdict.pids))
+        for pid, text in zip(verdict.pids, stacks, strict=True):
+            self.sink.event(f"{self.name}: stacks of pid {pid} before the kill:\n{text}", 4,
+                            GPUSUP_PROCESS=self.name, GPUSUP_EVENT="hang-stacks", GPUSUP_PID=str(pid))
+        if (self.state != ProcessState.READY or self._stopping or self._exited.is_set() or self.spawned is None
+                or signal.SIGKILL in self.signals_sent):
+            return  # stopped, parked, dead or killed by liveness meanwhile: nothing more to do
+        self.signals_sent[signal.SIGKILL] = f"hung: {verdict.kill}"
+        self.sink.event(f"{self.name}: {verdict.kill}; killing its cgroup so the restart policy can bring it back", 3,
+                        GPUSUP_PROCESS=self.name, GPUSUP_EVENT="unhealthy")
+        self.spawned.group.kill_all()
 
     def _liveness_ended(self, task: asyncio.Task[None]) -> None:
         """Liveness must not end silently: an error of ours in it is named and the watch goes on."""
@@ -627,6 +692,8 @@ class ManagedProcess:
         self._stopping = True
         if self._liveness is not None:
             self._liveness.cancel()
+        if self._hang is not None:
+            self._hang.cancel()
         began = time.monotonic()
         self._set_state(ProcessState.STOPPING)
         group = self.spawned.group

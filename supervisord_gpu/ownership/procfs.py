@@ -96,3 +96,17 @@ def cpu_ticks(pid: int) -> int | None:
         return int(fields[11]) + int(fields[12])
     except (IndexError, ValueError):
         return None
+
+
+def run_state(pid: int) -> tuple[str, str, int | None] | None:
+    """(comm, state letter, utime + stime in ticks) from /proc/PID/stat, None when gone.
+    One read for the three, so they describe the same moment (engine/hang.py)."""
+    text = read_text(pid, "stat")
+    if not text or ")" not in text:
+        return None
+    comm = text[text.find("(") + 1 : text.rfind(")")]
+    fields = text.rpartition(")")[2].split()
+    try:
+        return comm, fields[0], int(fields[11]) + int(fields[12])
+    except (IndexError, ValueError):
+        return comm, fields[0] if fields else "", None

@@ -105,6 +105,14 @@ soon as HTTP is up; /generate is served from then on, also while draining. A "sc
     that failed during the pause stays until a /health succeeds (the real server on the H200:
     /ready 503 1 s and 5 s after continue, 200 after one /health).
  /metrics with --enable-metrics (sglang:num_running_reqs = requests in flight, num_queue_reqs 0).
+ GET|POST /slow_down {"forward_sleep_time": SECONDS | null} (an admin endpoint): the scheduler
+    sleeps SECONDS before each batch (run_batch), so a generation takes (step + SECONDS) per step
+    and a control request (/server_info, /slow_down itself) waits for the end of the step; with
+    an unbounded sleep (1e9) and requests in flight nothing answers again: a blocked scheduler.
+ A SIGSTOPped detokenizer: the scheduler runs on and answers /server_info, /ready stays 200, but
+    no output reaches the front end: every /generate and /health waits (a /health then fails and
+    latches /ready), and the metrics' counters stand still; after SIGCONT all of it goes on (the
+    real SGLang 0.5.23 on an H100, real-sglang-on-h200.md).
  Keys (srt/utils/auth.py, see standin_redaction.py): with --admin-api-key, every route SGLang marks
     ADMIN_OPTIONAL (/pause_generation, /continue_generation, /flush_cache, /release_memory_occupation,
     /slow_down, /update_weights_from_disk, ...) answers 401 {"error": "Unauthorized"} unless the
@@ -763,6 +771,7 @@ class Request:
     health: bool = False
     admitted: bool = False  # past the pause gate (holds model_update_lock's reader side)
     aborted: bool = False  # pause_generation(abort) aborted it: answered with finish_reason abort
+    scheduled: bool = False  # the scheduler is done with it; its output may still wait on the detokenizer
 
 
 class StandinServer:
@@ -798,6 +807,9 @@ class StandinServer:
         self.resumed_at = 0.0  # monotonic: the last /continue_generation
         self.pause_cond = threading.Condition(self.lock)  # is_pause_cond
         self.stuck = False  # watchdog-timeout fault: a forward pass never returns
+        #: POST /slow_down's forward_sleep_time: the scheduler sleeps this long before each batch
+        self.forward_sleep: float | None = None
+        self.slowed_at = 0.0  # monotonic: when it was set (its step clock starts there)
         self.mm_segments: set[str] = set()  # sgl_shm_mm_* created and not yet unlinked
         self.sigints = 0
         self._warmup_thread: threading.Thread | None = None
@@ -1637,6 +1649,46 @@ class StandinServer:
             return False
         return not any(_stopped(c.pid) for c in self.schedulers())
 
+    def detokenizer_stopped(self) -> bool:
+        """The detokenizer SIGSTOPped: the scheduler runs on (it answers /server_info, /ready stays
+        200), but no output reaches the front end: every generation, /health's too, waits."""
+        return any(_stopped(c.pid) for c in self.children if c.label == "detokenizer")
+
+    def step_period(self) -> float:
+        """One scheduler step with /slow_down: its sleep before the batch, then the batch."""
+        return self.step_s() + (self.forward_sleep or 0.0)
+
+    def _scheduler_sleeping(self) -> bool:
+        """In a /slow_down sleep: only while it has a batch to run (run_batch sleeps, an idle loop does not)."""
+        with self.lock:
+            has_batch = any(r.admitted or r.health for r in self.requests.values())
+        return self.forward_sleep is not None and has_batch
+
+    def _wait_for_step_boundary(self) -> None:
+        """A control request (/server_info, /slow_down) waits for the end of the scheduler's step:
+        with /slow_down and a batch, the end of its sleep and batch; an unbounded sleep never ends."""
+        if not self._scheduler_sleeping():
+            return
+        period = self.step_period()
+        since = time.monotonic() - self.slowed_at
+        boundary = self.slowed_at + (int(since / period) + 1) * period
+        while self._scheduler_sleeping() and time.monotonic() < boundary:
+            time.sleep(SCHEDULER_ASK_POLL_S)
+
+    def slow_down(self, body: dict[str, Any]) -> tuple[int, Any]:
+        """POST /slow_down {"forward_sleep_time": SECONDS | null} (SlowDownReqInput; the scheduler's
+        slow_down sets forward_sleep_time, None or <= 0 clears it, and run_batch sleeps it before each
+        batch). A control request: answered by the scheduler between two steps, so a scheduler asleep
+        for ever with requests in flight never answers the one that would wake it."""
+        value = body.get("forward_sleep_time")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return 422, {"detail": [{"type": "float_type", "loc": ["body", "forward_sleep_time"],
+                                     "msg": "Input should be a valid number", "input": value}]}
+        self.ask_scheduler()
+        self.forward_sleep = float(value) if value is not None and value > 0 else None
+        self.slowed_at = time.monotonic()
+        return 200, None
+
     def _scheduler_runs_batches(self) -> bool:
         """Batches advance: not paused in place/retracted (abort mode has none left), not stopped."""
         with self.lock:
@@ -1691,12 +1743,14 @@ class StandinServer:
         """Has the health generation sent at `tic` come back by now?"""
         now = time.monotonic()
         if stall is not None:  # HEALTH_STALL: the scheduler answers only SECONDS after the probe began
-            return stall < timeout and now >= tic + stall - 1e-3 and self.scheduler_responsive()
+            return (stall < timeout and now >= tic + stall - 1e-3 and self.scheduler_responsive()
+                    and not self.detokenizer_stopped())
         with self.lock:
             if self.paused:
                 return False  # still waiting on is_pause_cond: nothing was sent to the scheduler
             sent = max(tic, self.resumed_at)
-        return now >= sent + self.step_s() - 1e-3 and self.scheduler_responsive()
+        return (now >= sent + self.step_period() - 1e-3 and self.scheduler_responsive()
+                and not self.detokenizer_stopped())
 
     def ready_status(self) -> int:
         """/ready: is_ready() = not is_pause and not gracefully_exit and status Up
@@ -1802,6 +1856,7 @@ class StandinServer:
             time.sleep(max(0.0, t0 + stall - time.monotonic()))
         while not self.scheduler_responsive():
             time.sleep(SCHEDULER_ASK_POLL_S)
+        self._wait_for_step_boundary()
 
     def server_info(self) -> dict[str, Any]:
         self.ask_scheduler()
@@ -1849,8 +1904,10 @@ class StandinServer:
         return 400, {"error": {"message": message}}
 
     def running(self) -> int:
+        """The scheduler's running requests (its metrics gauge): a request whose tokens are all
+        made is no longer one, even while the detokenizer holds its output."""
         with self.lock:
-            return sum(1 for r in self.requests.values() if not r.health)
+            return sum(1 for r in self.requests.values() if not r.health and not r.scheduled)
 
     def generate(self, body: dict[str, Any]) -> tuple[int, Any]:
         """Answer a /generate body like SGLang; honours a simulated duration.
@@ -1890,6 +1947,9 @@ class StandinServer:
             self._wait_for_pause_to_end(req)
             segments = self.create_mm_segments(self.settings.mm_shm)
             self._run_on_scheduler(req, delay)
+            req.scheduled = True
+            while self.detokenizer_stopped():  # its output goes through the detokenizer
+                time.sleep(SCHEDULER_ASK_POLL_S)
         finally:
             with self.lock:
                 self.requests.pop(rid, None)
@@ -1940,8 +2000,8 @@ class StandinServer:
         while remaining > 0 and not req.aborted:
             time.sleep(min(SCHEDULER_ASK_POLL_S, remaining))
             now = time.monotonic()
-            if self._scheduler_runs_batches():
-                remaining -= now - last
+            if self._scheduler_runs_batches():  # slowed down: one step's work per step and its sleep
+                remaining -= (now - last) * self.step_s() / self.step_period()
             last = now
 
     def create_mm_segments(self, n: int) -> list[str]:
@@ -2098,6 +2158,14 @@ def _make_handler(app: StandinServer) -> type[JSONHandler]:
                 return
             self.send_json(*app.pause_generation(body if isinstance(body, dict) else {}))
 
+        def _slow_down(self) -> None:
+            try:
+                body = self.read_json() if self.command == "POST" else {}
+            except ValueError:
+                self.send_json(400, {"error": {"message": "invalid JSON body"}})
+                return
+            self.send_json(*app.slow_down(body if isinstance(body, dict) else {}))
+
         def _refused(self) -> bool:
             """SGLang's key check (auth.py), before any route: 401 {"error": "Unauthorized"}."""
             status = redaction.refusal(self.command, self.path.split("?")[0], self.headers.get("Authorization"),
@@ -2128,7 +2196,7 @@ def _make_handler(app: StandinServer) -> type[JSONHandler]:
                 "/get_model_info": self._deprecated_model_info,
                 "/server_info": lambda: self.send_json(200, app.server_info()),
                 "/get_server_info": lambda: self.send_json(200, app.server_info()),
-                "/v1/loads": self._loads, "/metrics": self._metrics,
+                "/v1/loads": self._loads, "/metrics": self._metrics, "/slow_down": self._slow_down,
                 "/flush_cache": lambda: self.send_text(200, "Cache flushed.\n"),
             })
 
@@ -2143,6 +2211,7 @@ def _make_handler(app: StandinServer) -> type[JSONHandler]:
                 "/generate": self._generate,
                 "/pause_generation": self._pause,
                 "/continue_generation": lambda: self.send_json(*app.continue_generation()),
+                "/slow_down": self._slow_down,
                 "/flush_cache": lambda: self.send_text(200, "Cache flushed.\n"),
             })
 

@@ -15,6 +15,14 @@ HEALTH_MIN_S = 1.0
 HEALTH_VERDICT_S = 20.0
 #: --watchdog-timeout: a forward pass stuck this long makes SGLang kill itself
 WATCHDOG_S = 300.0
+#: the hang verdict (engine/hang.py): a stage stopped, or a scheduler neither answering nor
+#: working, this long is hung. Longer than any pause SGLang makes in its own loop while it
+#: answers (a 6 s stall that latches /ready, a /slow_down of a few seconds per step) and than a
+#: debugger's short stop; short enough that window + 2 looks + the 5 s stack dump stay within
+#: 30 s (15 + 2 x 2 + 5 = 24 s, with 6 s to spare for a loaded machine)
+HANG_WINDOW_S = 15.0
+#: how often the hang verdict looks (/proc of its processes, one /metrics, NVML): cheap
+HANG_INTERVAL_S = 2.0
 #: after SIGTERM, SGLang looks for "no requests left" this often, with no upper bound
 DRAIN_POLL_S = 5.0
 #: then it waits this long for its schedulers before killing them

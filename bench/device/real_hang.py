@@ -1,0 +1,362 @@
+"""Hung or busy, against the REAL SGLang 0.5.23 with the shipped defaults (issue 38), and the
+same cases against the stand-in.
+
+Each hang case must be killed and restarted within 30 s (hang_window 15 s + 2 looks of 2 s +
+the 5 s stack dump = 24 s by construction); each busy case must be left alone. The machinery
+(bundles, tiny model, the daemon as a subprocess with its events recorded, budget, checks,
+logs) is bench/device/real_sglang.py's, imported. On the device machine, one call, carry [".sgl"]:
+
+    python3 bench/device/real_hang.py --mode real --out $OUT
+
+Here, CPU only (the daemon in rehearsal mode, stand-in servers on simulated GPUs):
+
+    .venv/bin/python bench/device/real_hang.py --mode standin --out /tmp/rh-standin --today-s 40
+
+The profile `hang` is the shipped server defaults (liveness 3 x (10 + 20) s, scheduler_timeout
+300 s, hang_window 15 s, hang_interval 2 s) plus `--enable-metrics`. Cases, in order:
+
+    busy  first_start   the first start (weights, KV cache, CUDA-graph capture): not killed
+    busy  pause         POST /pause_generation (in_place) with requests held, --pause-s (the
+                        issue's 10 min is --pause-s 600: alone it fills a device call)
+    busy  slow          POST /slow_down 2 s per step under 4 clients, --slow-s
+    busy  long_prefill  one prompt of the longest input the server takes (max_req_input_len)
+    busy  stall_latch   a 6 s scheduler stall (SIGSTOP) during a /health: /ready latched 503
+    hang  sigstop_detokenizer, sigstop_scheduler, sigstop_front_end, blocked_scheduler
+          (/slow_down 1e9 with requests in flight): each killed (the kill line, the evidence
+          line and the stacks at priority 4), restarted and ready again
+
+The busy cases repeat --busy-runs times (the issue asks >= 20 runs; one round takes about
+--pause-s + --slow-s + 30 s, so a 10-minute call holds 1 round with --pause-s 60 next to the
+four hang cases; 20 rounds need their own calls). "today" is the old verdict: by construction
+from the shipped settings (90 s, 300 s, never), and measured where cheap with --today-s N: each
+hang case first under a profile with hang_window = 0 (today's daemon), "not killed within N s"
+or the time it was killed (a stand-in run affords it; a real run does not, with its restarts).
+Results: $OUT/real-hang-<mode>.json (with "table") and the table on stdout.
+REAL_SGLANG_PORTS=SERVER,ROUTER,METRICS moves the ports (real_sglang's; a shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import real_sglang as R  # noqa: E402  (the device bench's machinery: bundles, daemon, checks)
+
+PROFILE = "hang"
+OLD_PROFILE = "hang-old"
+TARGET_S = 30.0
+STALL_S = 6.0
+
+
+class HangRun(R.Run):
+    """real_sglang's Run, with two more profiles: the shipped defaults (+ metrics), and today's."""
+
+    def write_config(self) -> None:
+        super().write_config()
+        solo = self.results["setup"]["profiles"]["solo"]
+        shipped = re.sub(r"\[servers\.server\.probe\]\n(?:[a-z_]+ = [^\n]*\n)*", "", solo)  # the shipped probe
+        shipped = shipped.replace("[servers.server.options]\n", "[servers.server.options]\nenable-metrics = true\n")
+        old = shipped.replace("[servers.server.options]\n", "[servers.server.probe]\nhang_window = 0\n\n"
+                                                            "[servers.server.options]\n", 1)
+        for name, text in ((PROFILE, shipped), (OLD_PROFILE, old)):
+            (self.etc / "profiles" / f"{name}.toml").write_text(text.replace('"one server on GPU 0 (issue 27)"',
+                                                                             f'"{name}: issue 38"'))
+            self.results["setup"]["profiles"][name] = text
+
+    def save(self) -> None:
+        self.results["elapsed_s"] = round(self.elapsed(), 1)
+        (self.out / f"real-hang-{self.mode}.json").write_text(json.dumps(self.results, indent=1, default=str))
+
+
+def admin_key() -> str | None:
+    """The admin key the daemon made for this run's server (real_sglang's admin_key() takes the
+    newest of any run on the machine: another run's, on a shared one)."""
+    keys = sorted(Path(RUN_WORK[0]).glob("run/*/server.admin.key"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return keys[0].read_text().strip() if keys else None
+
+
+RUN_WORK: list[str] = [""]
+
+
+def detokenizer_of(pids: list[int]) -> int | None:
+    return next((p for p in pids if R.comm(p) == "sglang::detoken"), None)
+
+
+def clients(port: int, seconds: float, n: int, body: dict[str, Any]) -> list[threading.Thread]:
+    """n clients sending /generate back to back for `seconds` (their answers are not judged)."""
+    end = time.monotonic() + seconds
+
+    def loop() -> None:
+        while time.monotonic() < end:
+            R.call("POST", port, "/generate", body, timeout=max(5.0, end - time.monotonic() + 30))
+
+    threads = [threading.Thread(target=loop, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def long_body(run: HangRun) -> dict[str, Any]:
+    """A generation that stays in flight a while: many tokens on the real server (a stand-in
+    token is 3 ms: the same count takes as long there)."""
+    return {"text": "hello", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True, "temperature": 0}}
+
+
+def no_kill(d: R.Daemon, since: float) -> list[str]:
+    return [e["msg"] for e in d.find(lambda e: e["k"] == "say" and e["f"].get("GPUSUP_EVENT") in ("hang", "unhealthy"), since)]
+
+
+# ============================================================================ busy cases
+
+def busy_first_start(run: HangRun, c: R.Check, m: dict[str, Any], d: R.Daemon) -> None:
+    run.start_and_ready(d, c, m, R.SERVER_PORT, timeout=run.args.start_estimate * 3)
+    ready = d.find(lambda e: e["k"] == "ev" and e["kind"] == "instance" and e["state"] == "ready")[0]
+    m["spawn_to_ready_s"] = round(ready["t"] - d.started_at, 1)
+    c("ready, not killed while loading and capturing", not no_kill(d, 0) and not d.says("restart"), no_kill(d, 0))
+
+
+def busy_pause(run: HangRun, c: R.Check, m: dict[str, Any], d: R.Daemon) -> None:
+    key = admin_key()
+    main, *_ = run.server_pids(d)
+    since = time.time()
+    load = clients(R.SERVER_PORT, 2.0, 2, long_body(run))
+    time.sleep(1.0)
+    status, body, _ = R.call("POST", R.SERVER_PORT, "/pause_generation", {"mode": "in_place"}, key=key)
+    c("paused", status == 200, (status, body[:200]))
+    m["ready_while_paused"] = R.call("GET", R.SERVER_PORT, "/ready", timeout=5)[0]
+    time.sleep(run.args.pause_s)
+    m["killed"] = no_kill(d, since)
+    status, _, _ = R.call("POST", R.SERVER_PORT, "/continue_generation", {}, key=key)
+    c("continued", status == 200, status)
+    for t in load:
+        t.join(120)
+    c(f"paused {run.args.pause_s:g} s with requests held: not killed, same PID",
+      not m["killed"] and run.server_pids(d)[0] == main, m["killed"])
+
+
+def busy_slow(run: HangRun, c: R.Check, m: dict[str, Any], d: R.Daemon) -> None:
+    key = admin_key()
+    main, *_ = run.server_pids(d)
+    since = time.time()
+    status, _, _ = R.call("POST", R.SERVER_PORT, "/slow_down", {"forward_sleep_time": 2.0}, timeout=30, key=key)
+    c("slowed to 2 s per step", status == 200, status)
+    load = clients(R.SERVER_PORT, run.args.slow_s, 4, {"text": "hi", "sampling_params": {"max_new_tokens": 4}})
+    for t in load:
+        t.join(run.args.slow_s + 60)
+    status, _, _ = R.call("POST", R.SERVER_PORT, "/slow_down", {"forward_sleep_time": None}, timeout=30, key=key)
+    m["killed"] = no_kill(d, since)
+    c(f"{run.args.slow_s:g} s at 2 s per step under 4 clients: not killed, same PID",
+      status == 200 and not m["killed"] and run.server_pids(d)[0] == main, (status, m["killed"]))
+
+
+def busy_long_prefill(run: HangRun, c: R.Check, m: dict[str, Any], d: R.Daemon) -> None:
+    main, *_ = run.server_pids(d)
+    since = time.time()
+    status, raw, _ = R.call("GET", R.SERVER_PORT, "/server_info", timeout=30)
+    try:
+        longest = int(json.loads(raw).get("max_req_input_len") or 4000)
+    except (ValueError, AttributeError):
+        longest = 4000
+    longest = min(longest, 1 << 17)
+    body: dict[str, Any] = {"input_ids": [100 + i % 1000 for i in range(longest - 8)],
+                            "sampling_params": {"max_new_tokens": 4}}
+    if run.mode == "standin":  # the stand-in has no prefill cost: it stands in for a big model's (3 windows)
+        body["sampling_params"]["sleep"] = 45.0
+    status, raw, took = R.call("POST", R.SERVER_PORT, "/generate", body, timeout=300)
+    m["prompt_tokens"], m["generate_s"], m["status"] = longest - 8, round(took, 2), status
+    m["killed"] = no_kill(d, since)
+    c("the longest prompt it takes: answered, not killed, same PID",
+      status == 200 and not m["killed"] and run.server_pids(d)[0] == main, (status, raw[:200], m["killed"]))
+
+
+def busy_stall_latch(run: HangRun, c: R.Check, m: dict[str, Any], d: R.Daemon) -> None:
+    main, sched, _, _ = run.server_pids(d)
+    since = time.time()
+    os.kill(sched, signal.SIGSTOP)  # type: ignore[arg-type]
+    try:
+        m["health_in_stall"] = R.call("GET", R.SERVER_PORT, "/health", timeout=30)[0]  # SGLANG_HEALTH_CHECK_TIMEOUT 4
+        time.sleep(max(0.0, STALL_S - (time.time() - since)))
+    finally:
+        os.kill(sched, signal.SIGCONT)  # type: ignore[arg-type]
+    m["ready_after"] = R.call("GET", R.SERVER_PORT, "/ready", timeout=5)[0]
+    time.sleep(20)
+    m["health_after"] = R.call("GET", R.SERVER_PORT, "/health", timeout=30)[0]  # what the router's next check does
+    m["killed"] = no_kill(d, since)
+    c(f"a {STALL_S:g} s stall that latched /ready: not killed, same PID",
+      not m["killed"] and run.server_pids(d)[0] == main and m["ready_after"] == 503, m)
+
+
+# ============================================================================ hang cases
+
+def hang_cases() -> dict[str, Any]:
+    """name -> (how to hang it: fn(run, d) -> an undo or None, today's verdict by construction)."""
+
+    def stop(which: str) -> Any:
+        def go(run: HangRun, d: R.Daemon) -> Any:
+            main, sched, pids, _ = run.server_pids(d)
+            pid = {"scheduler": sched, "front end": main, "detokenizer": detokenizer_of(pids)}[which]
+            if which == "detokenizer":
+                clients(R.SERVER_PORT, 1.0, 2, {"text": "hi", "sampling_params": {"max_new_tokens": 64}})
+                time.sleep(0.3)
+            os.kill(pid, signal.SIGSTOP)  # type: ignore[arg-type]
+            return lambda: _cont(pid)
+        return go
+
+    def blocked(run: HangRun, d: R.Daemon) -> Any:
+        clients(R.SERVER_PORT, 1.0, 2, long_body(run))
+        time.sleep(0.5)
+        threading.Thread(target=R.call, args=("POST", R.SERVER_PORT, "/slow_down", {"forward_sleep_time": 1e9}),
+                         kwargs={"timeout": 30, "key": admin_key()}, daemon=True).start()
+        return None  # nothing wakes it: the /slow_down that would undo it waits on it
+
+    return {"sigstop_detokenizer": (stop("detokenizer"), "never (2026-12-06: 240 s, nothing written)"),
+            "sigstop_scheduler": (stop("scheduler"), "300 s (scheduler_timeout)"),
+            "sigstop_front_end": (stop("front end"), "90 s (3 x (10 + 20))"),
+            "blocked_scheduler": (blocked, "300 s (scheduler_timeout)")}
+
+
+def _cont(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
+def hang_case(run: HangRun, c: R.Check, m: dict[str, Any], d: R.Daemon, hang: Any) -> None:
+    restarts0 = d.process("server").get("restarts") or 0
+    main, *_ = run.server_pids(d)
+    since = time.time()
+    undo = hang(run, d)
+    m["ready_after_hang"] = R.call("GET", R.SERVER_PORT, "/ready", timeout=3)[0]
+    try:
+        kill = d.wait_say("unhealthy", 90, since, "server")
+    except AssertionError:
+        if undo:
+            undo()
+        raise
+    m["now_s"] = round(kill["t"] - since, 1)
+    m["kill_line"] = kill["msg"]
+    evidence = d.says("hang", since, "server")
+    stacks = d.says("hang-stacks", since, "server")
+    m["evidence_line"] = evidence[0]["msg"] if evidence else None
+    m["stacks"] = [s["msg"][:4000] for s in stacks]
+    c(f"killed within {TARGET_S:g} s", kill["t"] - since <= TARGET_S, m["now_s"])
+    c("the evidence line and the stacks at priority 4, before the kill",
+      bool(evidence) and bool(stacks) and all(e["prio"] == 4 for e in evidence + stacks)
+      and evidence[0]["t"] <= kill["t"] and "Evidence: " in evidence[0]["msg"], m["evidence_line"])
+    ready = d.wait(lambda e: e["k"] == "ev" and e["kind"] == "process" and e["p"] == "server" and e["state"] == "ready",
+                   run.args.start_estimate * 2, "server ready again", kill["t"])
+    m["kill_to_ready_s"] = round(ready["t"] - kill["t"], 1)
+    c("restarted and ready again, a new PID, counted once",
+      run.server_pids(d)[0] not in (None, main) and (d.process("server").get("restarts") or 0) == restarts0 + 1,
+      m["kill_to_ready_s"])
+
+
+def today_case(run: HangRun, c: R.Check, m: dict[str, Any], d: R.Daemon, hang: Any) -> None:
+    """Today's daemon (hang_window = 0): killed when, or not within --today-s."""
+    d.wait(lambda e: e["k"] == "ev" and e["kind"] == "process" and e["p"] == "server" and e["state"] == "ready",
+           run.args.start_estimate * 2, "server ready", 0)
+    since = time.time()
+    undo = hang(run, d)
+    try:
+        kill = d.wait_say("unhealthy", run.args.today_s, since, "server")
+        m["today"] = f"{kill['t'] - since:.0f} s"
+        d.wait(lambda e: e["k"] == "ev" and e["kind"] == "process" and e["p"] == "server" and e["state"] == "ready",
+               run.args.start_estimate * 2, "server ready again", kill["t"])
+    except AssertionError:
+        m["today"] = f"not killed within {run.args.today_s:g} s"
+        if undo is not None:
+            undo()  # else (the blocked scheduler: nothing wakes it) the daemon's stop ends it: the last case
+    c("observed", True, m["today"])
+
+
+# ============================================================================ the run
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", choices=("real", "standin"), required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--budget", type=float, default=570.0, help="seconds this run may take (the device allows 600)")
+    ap.add_argument("--reserve", type=float, default=30.0)
+    ap.add_argument("--start-estimate", type=float, default=90.0, help="seconds one server start may take")
+    ap.add_argument("--pause-s", type=float, default=60.0, help="the pause case's length (the issue's: 600)")
+    ap.add_argument("--slow-s", type=float, default=30.0, help="the slowed case's length under load")
+    ap.add_argument("--busy-runs", type=int, default=1, help="rounds of the busy cases (the issue's: 20)")
+    ap.add_argument("--today-s", type=float, default=0.0, help="also measure today's daemon, up to this long a case")
+    ap.add_argument("--sgl", default=str(R.SGL))
+    ap.add_argument("--unpack", default="/tmp/sgl")
+    ap.add_argument("--work", default=None)
+    ap.add_argument("--python", default=None)
+    ap.add_argument("--standin-startup", type=float, default=10.0)
+    args = ap.parse_args()
+    args.group, args.code, args.router, args.only = "hang", "tree", "standin", set()
+    args.work = args.work or f"/tmp/rsg-hang-{args.mode}"
+    run = HangRun(args)
+    RUN_WORK[0] = str(run.work)
+    try:
+        run.setup()
+    except Exception as e:
+        run.results["setup"]["error"] = traceback.format_exc()[-4000:]
+        run.save()
+        print(f"set-up failed: {e}", flush=True)
+        return 2
+    cases = hang_cases()
+    table: list[dict[str, Any]] = []
+    today: dict[str, str] = {}
+    try:
+        if args.today_s > 0:
+            old = R.Daemon(run, OLD_PROFILE, "today")
+            for name, (hang, _) in cases.items():
+                m = run.scenario(f"today_{name}", f"today's daemon: {name}", args.today_s + 15,
+                                 lambda c, m, h=hang: (today_case(run, c, m, old, h), m)[1])
+                if m and m.get("today"):
+                    today[name] = m["today"]
+            old.stop(60)
+        d = R.Daemon(run, PROFILE, "hang")
+        run.scenario("busy_first_start", "first start with CUDA-graph capture", args.start_estimate * 3,
+                     lambda c, m: busy_first_start(run, c, m, d))
+        for i in range(args.busy_runs):
+            for key, fn, est in (("pause", busy_pause, args.pause_s + 10), ("slow", busy_slow, args.slow_s + 30),
+                                 ("long_prefill", busy_long_prefill, 60), ("stall_latch", busy_stall_latch, 35)):
+                run.scenario(f"busy_{key}_{i + 1}", f"busy: {key} (round {i + 1})", est,
+                             lambda c, m, fn=fn: fn(run, c, m, d))
+        for name, (hang, _) in cases.items():
+            run.scenario(f"hang_{name}", f"hang: {name}", TARGET_S + args.start_estimate,
+                         lambda c, m, h=hang: hang_case(run, c, m, d, h))
+        run.args.reserve = 0
+        d.stop(60)
+    finally:
+        scen = run.results["scenarios"]
+        for name, (_, by_construction) in cases.items():
+            got = scen.get(f"hang_{name}", {})
+            now = got.get("measured", {}).get("now_s")
+            measured = f"{today[name]}; " if name in today else ""
+            table.append({"case": name, "today": f"{measured}{by_construction} by construction",
+                          "now": f"{now:g} s" if now is not None else got.get("result", "NOT RUN"),
+                          "bound": f"{TARGET_S:g} s", "result": got.get("result", "NOT RUN")})
+        busy = {k: v["result"] for k, v in scen.items() if k.startswith("busy_")}
+        for key in ("first_start", "pause", "slow", "long_prefill", "stall_latch"):
+            runs = [r for k, r in busy.items() if k == f"busy_{key}" or k.startswith(f"busy_{key}_")]
+            table.append({"case": f"busy: {key}", "today": "not killed", "bound": "0 kills",
+                          "now": f"{runs.count('PASS')}/{len(runs)} runs not killed" if runs else "NOT RUN",
+                          "result": "PASS" if runs and all(r == "PASS" for r in runs) else "FAIL" if runs else "NOT RUN"})
+        run.results["table"] = table
+        code = run.finish()
+    print("\n| case | today | now | bound |\n|---|---|---|---|")
+    for row in table:
+        print(f"| {row['case']} | {row['today']} | {row['now']} | {row['bound']} |")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""Hung or busy: a verdict that fuses what a server's processes do with what it answers.
+
+Why: LivenessWatch (engine/liveness.py) kills only on silence, so a SIGSTOPped front end lives
+90 s (failures x (interval + timeout)), a blocked scheduler 300 s (SGLang's own watchdog), and
+a stopped detokenizer forever: every /generate hangs while /ready stays 200 and /server_info
+answers (seen on the real SGLang 0.5.23, shared/reference/real-sglang-on-h200.md). A false
+kill costs a cold start (90 s to 20 min), so "hung" needs evidence that the pipeline cannot
+move, not merely that it is slow. What each signal means on SGLang 0.5.23:
+
+* A process's state in /proc (`T`/`t`: stopped by a signal or a tracer). A stopped stage
+  stops the pipeline whatever the rest does: requests wait on it. SGLang never stops its
+  own processes; a stop of `window` seconds is someone's SIGSTOP (or a debugger left attached).
+* CPU time per process, by role (sglang/server_metrics.role_of). A real scheduler polls its
+  sockets without sleeping (100 % of a core) when idle, while paused and while it works; it
+  spends none only when stopped or blocked (a `/slow_down` sleep, a lock, a syscall). The
+  detokenizer and an idle front end sleep in recv, so their CPU says little by itself.
+  A process in `R` or `D` (running, or in I/O) at a sample is working.
+* NVML utilization of its GPUs, where there is NVML: a forward pass (a long prefill, a slow
+  collective) keeps it up while the scheduler's CPU may look quiet.
+* Our own requests that wait: a `/server_info` (the scheduler answers it between two batches,
+  also while generation is paused) or a `/metrics` (the front end answers it) sent and not
+  answered. Work waits on the stage that does not answer, and it is our own work: no user
+  request needs to be in flight, and an idle server answers at once.
+* `/metrics` (with `--enable-metrics`): progress is its token and request counters moving;
+  requests in flight are its running and queued gauges. A body that does not parse is no
+  evidence (one line in the verdict's evidence), and metrics never kill by themselves.
+
+Verdicts (each condition must hold at every sample for `window` seconds):
+
+* **stopped**: a front end, scheduler, detokenizer or dp controller in state T: hung;
+* **scheduler blocked**: work waits on the scheduler (our /server_info unanswered since the
+  window began; where the scheduler refuses us, 401 under `--api-key`, the metrics' requests
+  in flight while /ready said 200), no progress, no scheduler or detokenizer CPU above
+  `cpu_floor`, none of them running, and no GPU utilization above `gpu_floor`: hung;
+* **front end wedged**: our request to the front end unanswered since the window began, and
+  its CPU below `cpu_floor`, not running, no progress: hung;
+* anything else is busy or idle, and left alone.
+
+Never hung by construction: a pause (/ready 503; the scheduler answers /server_info and
+spins), a scheduler slowed to seconds per step (it answers between steps), a long prefill
+(GPU busy, or answers between chunks), a short stall (shorter than the window), a start
+(the watch runs only after ready). A flood of /server_info from anyone delays our answer but
+makes the scheduler work: busy. We send no /health.
+
+Pure: observations in, verdicts out; the clock is the observations'. engine/process.py samples.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from ..records import dataclass
+from ..sglang.server_metrics import ServerMetrics
+
+#: roles whose stop stops the pipeline (sglang/server_metrics.role_of)
+JUDGED_ROLES = ("front end", "scheduler", "detokenizer", "dp controller")
+#: roles whose CPU time is the server's work (the front end's also pays for our own probes)
+WORKERS = ("scheduler", "detokenizer", "dp controller")
+STOPPED_STATES = "Tt"
+WORKING_STATES = "RD"
+#: below this share of one core over the window a process did no work: a real scheduler spins
+#: at ~100 %; a blocked one spends only what a helper thread's wake-ups cost (well under 1 %)
+CPU_FLOOR = 0.01
+#: NVML utilization (percent of time a kernel ran) at or above this at any sample: the GPU works
+GPU_FLOOR = 5.0
+
+
+@dataclass(frozen=True)
+class ProcSample:
+    """One process of the server's cgroup at one look (/proc/PID/stat)."""
+
+    pid: int
+    role: str  # sglang/server_metrics.role_of; "" for a process not judged
+    state: str  # the state letter ("R", "S", "D", "T", ...); "" when unreadable
+    cpu_ticks: int | None  # utime + stime in clock ticks; None when unreadable
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one look saw. `*_waiting_since`: when our request still unanswered was sent (None:
+    nothing of ours is waiting there)."""
+
+    at: float
+    processes: tuple[ProcSample, ...]
+    metrics: ServerMetrics | None = None
+    metrics_error: str = ""  # why this look's /metrics is no evidence ("" when fine or absent)
+    gpu_util: float | None = None  # the highest utilization of its GPUs, None without NVML
+    scheduler_waiting_since: float | None = None
+    scheduler_refused: bool = False  # /server_info answered 401/403: the scheduler cannot be asked
+    front_waiting_since: float | None = None
+    serving: bool | None = None  # the last /ready: True 200, False 503, None not known
+
+
+@dataclass(frozen=True)
+class HangVerdict:
+    kill: str = ""  # "" = leave it running; else why, in our words
+    evidence: str = ""  # one line: what the window saw (for the journal, kill or not)
+    pids: tuple[int, ...] = ()  # the hung processes (whose stacks are dumped before the kill)
+
+
+class HangWatch:
+    """The hang decisions of one ready server, fed one Observation per look."""
+
+    def __init__(self, window_s: float, clk_tck: int = 100, cpu_floor: float = CPU_FLOOR,
+                 gpu_floor: float = GPU_FLOOR) -> None:
+        self.window_s = window_s
+        self.clk_tck = clk_tck
+        self.cpu_floor = cpu_floor
+        self.gpu_floor = gpu_floor
+        self.stopped_since: dict[int, float] = {}
+        self.history: collections.deque[Observation] = collections.deque()
+
+    def observe(self, obs: Observation) -> HangVerdict:
+        self._remember(obs)
+        first = self._window_start(obs.at)
+        for p in obs.processes:
+            if p.role in JUDGED_ROLES and p.state and p.state in STOPPED_STATES:
+                since = self.stopped_since.setdefault(p.pid, obs.at)
+                if obs.at - since >= self.window_s:
+                    return HangVerdict(
+                        kill=f"its {p.role} (pid {p.pid}) has been stopped (state {p.state}) for "
+                             f"{obs.at - since:.0f} s (hang_window {self.window_s:g} s)",
+                        evidence=self.evidence(first or obs, obs), pids=(p.pid,))
+            else:
+                self.stopped_since.pop(p.pid, None)
+        if first is None:
+            return HangVerdict()
+        window = [o for o in self.history if o.at >= first.at]
+        if self._scheduler_blocked(first, obs, window):
+            schedulers = tuple(p.pid for p in obs.processes if p.role == "scheduler")
+            return HangVerdict(kill=f"its scheduler neither answered nor worked for {obs.at - first.at:.0f} s "
+                                    f"(hang_window {self.window_s:g} s)",
+                               evidence=self.evidence(first, obs), pids=schedulers)
+        if self._front_wedged(first, obs, window):
+            front = tuple(p.pid for p in obs.processes if p.role == "front end")
+            return HangVerdict(kill=f"its front end neither answered nor worked for {obs.at - first.at:.0f} s "
+                                    f"(hang_window {self.window_s:g} s)",
+                               evidence=self.evidence(first, obs), pids=front)
+        return HangVerdict()
+
+    # ------------------------------------------------------------------ the rules
+
+    def _scheduler_blocked(self, first: Observation, now: Observation, window: list[Observation]) -> bool:
+        if not any(p.role == "scheduler" for p in now.processes):
+            return False
+        asked = now.scheduler_waiting_since is not None and now.scheduler_waiting_since <= first.at
+        # the metrics' requests in flight count only where the scheduler cannot be asked, and
+        # only while /ready said 200: a paused server holds its requests by design
+        held = now.scheduler_refused and all(
+            o.serving is True and o.metrics is not None and (o.metrics.in_flight or 0) > 0 for o in window)
+        if not (asked or held):
+            return False
+        return not self._progressed(first, now) and not self._worked(first, now, window, WORKERS, gpu=True)
+
+    def _front_wedged(self, first: Observation, now: Observation, window: list[Observation]) -> bool:
+        if now.front_waiting_since is None or now.front_waiting_since > first.at:
+            return False
+        return not self._progressed(first, now) and not self._worked(first, now, window, ("front end",), gpu=False)
+
+    def _progressed(self, first: Observation, now: Observation) -> bool:
+        """Tokens out or requests completed between the two looks (unknown counts as none:
+        progress can only spare a server, never condemn one)."""
+        if first.metrics is None or now.metrics is None:
+            return False
+        return any(b is not None and a is not None and b != a
+                   for a, b in zip(first.metrics.progress, now.metrics.progress, strict=True))
+
+    def _worked(self, first: Observation, now: Observation, window: list[Observation], roles: tuple[str, ...],
+                gpu: bool) -> bool:
+        """Did any process of these roles (or, with `gpu`, its GPUs) do work over the window?
+        A process we cannot compare (new, gone, unreadable) counts as working: no evidence."""
+        before = {p.pid: p for p in first.processes if p.role in roles}
+        after = [p for p in now.processes if p.role in roles]
+        span = max(now.at - first.at, 1e-9)
+        for p in after:
+            old = before.get(p.pid)
+            if old is None or old.cpu_ticks is None or p.cpu_ticks is None:
+                return True
+            if (p.cpu_ticks - old.cpu_ticks) / self.clk_tck / span >= self.cpu_floor:
+                return True
+        if any(p.role in roles and p.state and p.state in WORKING_STATES for o in window for p in o.processes):
+            return True
+        return gpu and any(o.gpu_util is not None and o.gpu_util >= self.gpu_floor for o in window)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _remember(self, obs: Observation) -> None:
+        """Keep the looks of the last window, and the latest one before it (its start)."""
+        self.history.append(obs)
+        while len(self.history) >= 2 and self.history[1].at <= obs.at - self.window_s:
+            self.history.popleft()
+        alive = {p.pid for p in obs.processes}
+        for pid in [pid for pid in self.stopped_since if pid not in alive]:
+            del self.stopped_since[pid]
+
+    def _window_start(self, now: float) -> Observation | None:
+        """The latest look at least `window` ago; None while the watch is younger than that."""
+        first = self.history[0]
+        return first if first.at <= now - self.window_s else None
+
+    def evidence(self, first: Observation, now: Observation) -> str:
+        """One line: each process (role, pid, state, CPU over the window), metrics, GPU, waits."""
+        span = max(now.at - first.at, 1e-9)
+        before = {p.pid: p.cpu_ticks for p in first.processes}
+        procs = []
+        for p in now.processes:
+            if not p.role:
+                continue
+            old = before.get(p.pid)
+            cpu = (f"{(p.cpu_ticks - old) / self.clk_tck:.2f} s CPU" if old is not None and p.cpu_ticks is not None
+                   else "CPU unknown")
+            procs.append(f"{p.role} {p.pid} state {p.state or '?'} {cpu}")
+        parts = [f"over {span:.0f} s: " + ", ".join(procs)]
+        m = now.metrics
+        if now.metrics_error:
+            parts.append(f"metrics: no evidence ({now.metrics_error})")
+        elif m is not None:
+            moved = "moved" if self._progressed(first, now) else "flat"
+            parts.append(f"metrics: {_n(m.in_flight)} in flight, tokens {_n(m.generation_tokens)} "
+                         f"and requests {_n(m.requests)} {moved}")
+        else:
+            parts.append("metrics: none")
+        utils = [o.gpu_util for o in self.history if o.at >= first.at and o.gpu_util is not None]
+        parts.append(f"GPU: max {max(utils):.0f} %" if utils else "GPU: not read")
+        for what, since in (("/server_info", now.scheduler_waiting_since), ("front end", now.front_waiting_since)):
+            parts.append(f"{what}: unanswered for {now.at - since:.0f} s" if since is not None else f"{what}: answered")
+        if now.scheduler_refused:
+            parts.append("/server_info refused (API key)")
+        parts.append({True: "/ready 200", False: "/ready 503", None: "/ready not known"}[now.serving])
+        return "; ".join(parts)
+
+
+def _n(value: float | None) -> str:
+    return "?" if value is None else f"{value:g}"

@@ -1,0 +1,235 @@
+"""The hang verdict as a pure rule, against a clock (no processes): every hang case is called
+hung within its window, every busy case never (engine/hang.py says what each signal means).
+
+The looks come every 2 s with a 15 s window, the shipped defaults. A real scheduler spins
+(100 % of a core: 200 ticks per 2 s), a blocked or stopped one spends nothing.
+"""
+
+from __future__ import annotations
+
+from supervisord_gpu.engine.hang import HangWatch, Observation, ProcSample
+from supervisord_gpu.sglang import server_metrics
+from supervisord_gpu.sglang.server_metrics import MetricsError, ServerMetrics
+
+WINDOW, STEP = 15.0, 2.0
+FRONT, SCHED, DETOK = 100, 101, 102
+
+
+class Server:
+    """A fake server's processes, advanced look by look."""
+
+    def __init__(self) -> None:
+        self.ticks = {FRONT: 0, SCHED: 0, DETOK: 0}
+        self.state = {FRONT: "S", SCHED: "R", DETOK: "S"}
+        self.rate = {FRONT: 1, SCHED: 200, DETOK: 0}  # ticks per look
+        self.tokens = 0.0
+
+    def look(self, at: float, **kw) -> Observation:  # type: ignore[no-untyped-def]
+        for pid, rate in self.rate.items():
+            if self.state[pid] not in "Tt":
+                self.ticks[pid] += rate
+        roles = {FRONT: "front end", SCHED: "scheduler", DETOK: "detokenizer"}
+        procs = tuple(ProcSample(pid, roles[pid], self.state[pid], self.ticks[pid]) for pid in roles)
+        kw.setdefault("metrics", ServerMetrics(running=0, queued=0, generation_tokens=self.tokens, requests=0))
+        kw.setdefault("serving", True)
+        return Observation(at=at, processes=procs, **kw)
+
+
+def run(server: Server, seconds: float, watch: HangWatch | None = None, start: float = 0.0, **kw):  # type: ignore[no-untyped-def]
+    """Looks every STEP for `seconds`; (the time of the first kill or None, the verdict)."""
+    watch = watch or HangWatch(WINDOW)
+    t = start
+    while t < start + seconds:
+        t += STEP
+        extra = {k: (v(t) if callable(v) else v) for k, v in kw.items()}
+        verdict = watch.observe(server.look(t, **extra))
+        if verdict.kill:
+            return t, verdict
+    return None, None
+
+
+def test_a_sigstopped_detokenizer_is_hung_within_the_window_while_the_rest_answers_and_works():
+    s = Server()
+    s.state[DETOK] = "T"
+    at, verdict = run(s, 60)
+    assert at is not None and at <= WINDOW + 2 * STEP, at
+    assert verdict.pids == (DETOK,) and "its detokenizer (pid 102) has been stopped (state T)" in verdict.kill
+    assert "detokenizer 102 state T 0.00 s CPU" in verdict.evidence and "\n" not in verdict.evidence
+
+
+def test_a_sigstopped_scheduler_or_front_end_is_hung_even_while_ready_says_503():
+    for pid in (SCHED, FRONT):
+        s = Server()
+        s.state[pid] = "T"
+        at, verdict = run(s, 60, serving=False)  # behind a router, its failed /health latches /ready
+        assert at is not None and at <= WINDOW + 2 * STEP and verdict.pids == (pid,)
+
+
+def test_a_stop_shorter_than_the_window_is_not_a_hang():
+    s, watch = Server(), HangWatch(WINDOW)
+    s.state[SCHED] = "T"
+    assert run(s, 12, watch)[0] is None  # a 12 s stall (a debugger, a 6 s latch) ...
+    s.state[SCHED] = "R"
+    assert run(s, 600, watch, start=12)[0] is None  # ... then it runs again
+
+
+def test_a_scheduler_blocked_with_our_request_waiting_is_hung_within_the_window():
+    s = Server()
+    s.rate[SCHED], s.state[SCHED] = 0, "S"  # /slow_down with an unbounded sleep
+    at, verdict = run(s, 60, scheduler_waiting_since=0.5)
+    assert at is not None and at <= WINDOW + 2 * STEP, at
+    assert "its scheduler neither answered nor worked" in verdict.kill and verdict.pids == (SCHED,)
+    assert "/server_info: unanswered for" in verdict.evidence
+
+
+def test_a_spinning_scheduler_that_does_not_answer_us_is_busy_not_hung():
+    """A flood of /server_info from anyone delays ours for as long as they like; the scheduler works."""
+    assert run(Server(), 600, scheduler_waiting_since=0.5)[0] is None
+
+
+def test_a_quiet_scheduler_that_answers_between_slow_steps_is_busy():
+    s = Server()
+    s.rate[SCHED], s.state[SCHED] = 0, "S"  # /slow_down 2 s per step: asleep at every look
+    assert run(s, 600, scheduler_waiting_since=lambda t: t - 1.0)[0] is None  # answered within 2 s
+
+
+def test_gpu_work_or_progress_spares_a_quiet_scheduler():
+    s = Server()
+    s.rate[SCHED], s.state[SCHED] = 0, "S"
+    assert run(s, 600, scheduler_waiting_since=0.5, gpu_util=97.0)[0] is None  # a long forward pass
+    s2 = Server()
+    s2.rate[SCHED], s2.state[SCHED] = 0, "S"
+
+    def moving(t: float) -> ServerMetrics:
+        s2.tokens += 1
+        return ServerMetrics(running=1, queued=0, generation_tokens=s2.tokens, requests=0)
+
+    assert run(s2, 600, scheduler_waiting_since=0.5, metrics=moving)[0] is None
+
+
+def test_a_paused_server_holding_requests_is_never_hung():
+    """/pause_generation in place: requests in flight, none progressing, /ready 503 for 10 min;
+    the scheduler answers /server_info (and spins on a real server; here it is quiet, the
+    harsher case: only the answers speak for it)."""
+    s = Server()
+    s.rate[SCHED], s.state[SCHED] = 0, "S"
+    held = ServerMetrics(running=4, queued=2, generation_tokens=0, requests=0)
+    assert run(s, 600, metrics=held, serving=False, scheduler_refused=True)[0] is None
+    assert run(s, 600, metrics=held, serving=False, scheduler_waiting_since=lambda t: t - 0.1)[0] is None
+
+
+def test_under_an_api_key_requests_in_flight_without_progress_stand_for_our_question():
+    s = Server()
+    s.rate[SCHED], s.state[SCHED] = 0, "S"
+    held = ServerMetrics(running=3, queued=0, generation_tokens=7, requests=1)
+    at, verdict = run(s, 60, metrics=held, scheduler_refused=True)
+    assert at is not None and at <= WINDOW + 2 * STEP and verdict.pids == (SCHED,)
+
+
+def test_a_wedged_front_end_is_hung_and_a_busy_one_is_not():
+    s = Server()
+    s.rate[FRONT] = 0
+    at, verdict = run(s, 60, front_waiting_since=0.5)
+    assert at is not None and at <= WINDOW + 2 * STEP and verdict.pids == (FRONT,)
+    busy = Server()
+    busy.rate[FRONT] = 200  # tokenizing a huge batch: its CPU moves
+    assert run(busy, 600, front_waiting_since=0.5)[0] is None
+
+
+def test_a_hostile_metrics_body_is_no_evidence_and_kills_nothing():
+    bodies = [b"\xff\xfe", b"sglang:num_running_reqs NaN", b"sglang:num_requests_total -4",
+              b"sglang:num_queue_reqs{a=\"}\"}", b"x" * (server_metrics.MAX_BODY + 1),
+              b"sglang:generation_tokens_total \x1b[2J"]
+    for body in bodies:
+        try:
+            server_metrics.parse(body)
+        except MetricsError as e:
+            assert "\n" not in str(e) and "\x1b" not in str(e), str(e)
+        else:
+            raise AssertionError(f"{body[:40]!r} parsed")
+    s = Server()  # a server that works, whose /metrics is garbage: left alone
+    assert run(s, 600, metrics=None, metrics_error="/metrics line 1: x", scheduler_waiting_since=0.5)[0] is None
+
+
+def test_the_metrics_of_sglang_are_read_summed_over_labels_with_quotes_and_braces():
+    body = (b'# HELP sglang:num_running_reqs x\n# TYPE sglang:num_running_reqs gauge\n'
+            b'sglang:num_running_reqs{model_name="a b}",dp="0"} 3\n'
+            b'sglang:num_running_reqs{model_name="a\\"q",dp="1"} 2.0\n'
+            b'sglang:generation_tokens_total{model_name="m"} 1234 1700000000\n'
+            b'sglang:num_requests_total 7\nother_metric{x="y"} nan\n')
+    m = server_metrics.parse(body)
+    assert (m.running, m.queued, m.generation_tokens, m.requests) == (5.0, None, 1234.0, 7.0)
+    assert m.in_flight == 5.0
+
+
+def test_sglang_process_titles_name_the_roles():
+    assert server_metrics.role_of("sglang::schedul", False) == "scheduler"
+    assert server_metrics.role_of("sglang::detoken", False) == "detokenizer"
+    assert server_metrics.role_of("anything", True) == "front end"
+    assert server_metrics.role_of("python3", False) == ""
+
+
+def test_a_py_spy_that_hangs_is_killed_at_its_bound_and_the_kill_goes_on(tmp_path):
+    """py-spy may wait on a stopped process for ever; the stacks never delay the kill past their bound."""
+    import asyncio
+    import time
+
+    from supervisord_gpu.engine.hang_sampler import dump_stacks
+
+    fake = tmp_path / "py-spy"
+    fake.write_text("#!/bin/sh\nsleep 60\n")
+    fake.chmod(0o755)
+    began = time.monotonic()
+    text = asyncio.run(dump_stacks(1, 0.5, str(fake)))
+    assert time.monotonic() - began < 2.0 and text == "py-spy gave no stacks within 0.5 s", text
+    assert asyncio.run(dump_stacks(1, 0.5, str(tmp_path / "none"))).startswith("py-spy did not start")
+
+
+def test_stacks_from_the_childs_memory_reach_the_journal_printable_and_bounded(tmp_path):
+    """The model code names its functions: escape sequences and megabytes of them are cut."""
+    import asyncio
+
+    from supervisord_gpu.engine.hang_sampler import STACKS_MAX_BYTES, dump_stacks
+
+    fake = tmp_path / "py-spy"
+    fake.write_text("#!/bin/sh\nprintf 'Thread 7 (idle): \"MainThread\"\\n    evil\\033[2J\\007 (model.py:1)\\n'\n"
+                    "head -c 100000 /dev/zero | tr '\\0' x\n")
+    fake.chmod(0o755)
+    text = asyncio.run(dump_stacks(1, 5.0, str(fake)))
+    assert text.startswith('Thread 7 (idle): "MainThread"\n    evil?[2J? (model.py:1)\n'), text[:80]
+    assert len(text) <= STACKS_MAX_BYTES + 20 and text.endswith("... (cut)")
+
+
+def test_an_endless_metrics_body_is_read_no_further_than_its_bound_and_is_no_evidence():
+    """The server's /metrics is the child's (and, while it is down, its port holder's) to write."""
+    import asyncio
+
+    from supervisord_gpu.engine.probe import request
+
+    async def go() -> tuple[int | None, int, str]:
+        async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n")
+            try:
+                for _ in range(4096):  # 256 MiB if read to the end
+                    writer.write(b"sglang:num_running_reqs 1\n" * 2520)
+                    await writer.drain()
+            except (ConnectionError, OSError):
+                pass
+            writer.close()
+
+        server = await asyncio.start_server(endless, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            status, body = await request("GET", "127.0.0.1", port, "/metrics", timeout=20,
+                                         max_bytes=server_metrics.MAX_BODY)
+        try:
+            server_metrics.parse(body)
+            why = ""
+        except MetricsError as e:
+            why = str(e)
+        return status, len(body), why
+
+    status, size, why = asyncio.run(go())
+    assert status == 200 and size <= server_metrics.MAX_BODY + (1 << 16) + 64, size
+    assert why == f"/metrics body of more than {server_metrics.MAX_BODY} bytes"
