@@ -567,6 +567,9 @@ class Run:
         if self.mode == "real":
             for b in ("sglang-site", "router-site"):
                 dest = self.sgl_dir() / b
+                if not (dest / ".done").exists() and not (SGL / f"{b}.tar.xz").exists():
+                    s[f"unpack_{b}_s"] = "absent: not carried in this call (real_pd.py unpack puts it in place)"
+                    continue
                 if not (dest / ".done").exists():
                     dest.mkdir(parents=True, exist_ok=True)
                     t = time.time()
