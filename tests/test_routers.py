@@ -139,6 +139,7 @@ def test_a_router_stop_timeout_shorter_than_smgs_own_stop_is_refused(tmp_path: P
         router_argv(tmp_path / "a", "smg", stop_timeout=3)
     assert e.value.key == "router.stop_timeout" and "5 s after SIGTERM" in str(e.value)
     assert router_argv(tmp_path / "b", "sglang-router", stop_timeout=3)
+    assert router_argv(tmp_path / "c", "sglang-router", stop_timeout=1)  # it exits once drained: no fixed window
 
 
 # --------------------------------------------------------------------------- --enable-rl

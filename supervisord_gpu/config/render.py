@@ -151,8 +151,10 @@ def check_router_options(spec: ProcessSpec, kind: RouterKind) -> None:
         if not routers.has_option(kind, key):
             raise ConfigError("", f"{spec.key}.options.{key}", f"{kind.name} {kind.version} has no option --{key} "
                                                              f"(its table: supervisord_gpu/data/{kind.options_file})")
+    # Only a router that holds its port for a fixed window (smg's 5 s) cannot stop sooner; one that
+    # exits once drained (sglang-router 0.3.2) may be given any timeout: a short one is SIGKILL sooner.
     least = kind.stop_idle_exit_s + 1.0
-    if spec.stop_timeout_s < least:
+    if kind.stop_listen_s > 0 and spec.stop_timeout_s < least:
         raise ConfigError("", f"{spec.key}.stop_timeout", f"{spec.stop_timeout_s:g} s is shorter than {kind.name}'s own "
                           f"stop (it keeps its port {kind.stop_listen_s:g} s after SIGTERM and exits after "
                           f"~{kind.stop_idle_exit_s:g} s when idle): at least {least:g} s")
