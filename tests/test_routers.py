@@ -78,10 +78,23 @@ def test_no_router_installed_and_none_named_is_exit_2_naming_the_daemon_file(tmp
     toml.write_text(toml.read_text().replace('router_command = ["python3", "-m", "smg.launch_router"]', ""))
     cfg = load_daemon_config(cdir)
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    from supervisord_gpu.controller.backends import Backends
+    from supervisord_gpu.controller.preflight import validate
+
+    programs = Programs.of(cfg)
+    # `gpusupctl render` still shows what would run (the preferred router's command) ...
+    argv = next(x.argv for x in render(load_profile(cfg, "p"), cfg, programs) if x.spec.kind == "router")
+    assert "smg.launch_router" in argv
+    backends = Backends(programs, lambda: None, lambda servers: [], model_paths_must_exist=False)  # type: ignore[arg-type, return-value]
+    # ... a start refuses before anything runs, naming the daemon's file and key ...
     with pytest.raises(ConfigError) as e:
-        render(load_profile(cfg, "p"), cfg)
+        validate(load_profile(cfg, "p"), cfg, backends)
     assert e.value.exit_code == 2 and e.value.key == "sglang.router_command" and e.value.path == str(toml)
     assert "no router installed" in str(e.value) and "No module named" not in str(e.value)
+    # ... and `check` / `switch --dry-run` list it beside the other problems
+    said: list[str] = []
+    validate(load_profile(cfg, "p"), cfg, backends, warn=said.append)
+    assert len(said) == 1 and "sglang.router_command: no router installed" in said[0]
 
 
 # --------------------------------------------------------------------------- its options

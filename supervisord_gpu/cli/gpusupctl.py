@@ -112,7 +112,11 @@ def cmd_render(args: argparse.Namespace) -> int:
 
     cfg = effective_config(load_daemon_config(args.config_dir), args.rehearsal)
     profile = load_profile(cfg, args.name)
-    launches = render(profile, cfg, programs_for(cfg))  # what the daemon will run, real or stand-ins
+    programs = programs_for(cfg)
+    launches = render(profile, cfg, programs)  # what the daemon will run, real or stand-ins
+    if programs.router_missing and any(launch.spec.kind == "router" for launch in launches):
+        print(f"gpusupctl: warning: {cfg.path or cfg.config_dir / 'supervisord-gpu.toml'}: sglang.router_command: "
+              f"{programs.router_missing} (shown: {' '.join(programs.router)})", file=sys.stderr)
     if args.json:
         out = [
             {"process": launch.spec.name, "role": launch.spec.role, "user": launch.user, "argv": list(launch.argv),

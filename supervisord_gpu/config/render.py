@@ -38,11 +38,19 @@ class Programs:
     env: tuple[tuple[str, str], ...] = ()
     #: which router `router` runs (sglang/routers.py); None for a command we do not know
     router_kind: RouterKind | None = None
+    #: why `router` cannot run here ("" when it can): the config names none and none is installed.
+    #: `render` then shows the preferred router's command; a start refuses (controller/preflight.py),
+    #: `check` lists it beside the other problems and `switch --dry-run` warns, as for a missing model.
+    router_missing: str = ""
 
     @classmethod
     def of(cls, cfg: DaemonConfig) -> Programs:
         """The real programs: `sglang_command`, and `router_command` or else the installed router."""
         command, kind = routers.resolve(cfg.router_command)
+        if not command:
+            kind = routers.ROUTERS[0]
+            return cls(tuple(cfg.sglang_command), kind.command(), router_kind=kind,
+                       router_missing=str(routers.NoRouterInstalled()))
         return cls(tuple(cfg.sglang_command), command, router_kind=kind)
 
 

@@ -44,6 +44,12 @@ def validate(profile: Profile, cfg: DaemonConfig, backends: Backends, warn: Call
     from ..config.render import render, server_args
 
     render(profile, cfg, backends.programs)  # users exist; each flag the profile manages appears once
+    if backends.programs.router_missing and any(spec.kind == "router" for spec in profile.processes):
+        error = ConfigError(cfg.path or cfg.config_dir / "supervisord-gpu.toml", "sglang.router_command",
+                            backends.programs.router_missing)
+        if warn is None:
+            raise error
+        warn(f"warning: {error}")
     if profile.is_cluster and not cfg.cluster.etcd:
         raise ConfigError(cfg.path or cfg.config_dir, "cluster.etcd", f"is required: profile {profile.name} spans nodes "
                           "(it has [nodes]), and only etcd can order its steps across them")
