@@ -1,0 +1,115 @@
+"""A hostile read of the routers, hang, sharing and parking code: each test plays the party who
+owns an input (a child's model code, a local user) and checks the daemon keeps its bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from supervisord_gpu.controller.parking import one_generation
+from supervisord_gpu.engine.hang_sampler import STACKS_MAX_BYTES, dump_stacks
+from supervisord_gpu.parking.binary import BinaryCheckpointer
+from supervisord_gpu.parking.checkpointer import CheckpointUnavailable
+
+MIB = 1 << 20
+
+
+class EndlessAnswer:
+    """The child's server (its model code answers every route): `200 OK`, then up to `total`
+    bytes of body, then the connection held open. `sent` says how much the daemon took."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.sent = 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(1)
+        self.port = self.sock.getsockname()[1]
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            conn.settimeout(30)
+            conn.recv(65536)
+            chunk = b'{"text": "' + b"x" * MIB
+            try:
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n")
+                while self.sent < self.total:
+                    conn.sendall(chunk)
+                    self.sent += len(chunk)
+                self.done.wait(30)  # held open: no end of the body
+            except OSError:
+                pass  # the daemon stopped reading and closed: what we want
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join(10)
+        self.sock.close()
+
+
+def test_a_childs_endless_answer_to_the_restores_generation_costs_the_daemon_at_most_a_few_mib():
+    """Party: the parked server's model code. The restore's proof of serving (POST /generate,
+    controller/parking.one_generation) and PD readiness's first request read the answer; an
+    endless one used to be read in full into the root daemon's memory until the timeout."""
+    fake = EndlessAnswer(total=128 * MIB)
+    try:
+        began = time.monotonic()
+        why = asyncio.run(one_generation("127.0.0.1", fake.port, timeout=8.0))
+        took = time.monotonic() - began
+    finally:
+        fake.close()
+    assert fake.sent < 32 * MIB, f"the daemon read {fake.sent / MIB:.0f} MiB of the child's answer"
+    assert why == "" and took < 5.0, (why, took)
+
+
+def _fake_py_spy(path: Path, marker: Path, mib: int) -> None:
+    path.write_text(f"#!{sys.executable}\nimport sys\n"
+                    f"for _ in range({mib}):\n    sys.stdout.write('    deep (model.py:1)\\n' * 50000)\n"
+                    f"sys.stdout.flush()\nopen({str(marker)!r}, 'w').close()\n")
+    path.chmod(0o755)
+
+
+def test_stacks_past_their_bound_are_not_read_on_and_py_spy_is_ended(tmp_path):
+    """Party: the hung server's model code, whose function names, depth and threads make py-spy's
+    output as long as it likes; only the journal's 32 KiB of it may reach the daemon's memory."""
+    fake, marker = tmp_path / "py-spy", tmp_path / "printed-it-all"
+    _fake_py_spy(fake, marker, 64)
+    text = asyncio.run(dump_stacks(1, 20.0, str(fake)))
+    assert not marker.exists(), "py-spy was read to its end (64 MiB in the daemon's memory)"
+    assert text.startswith("    deep (model.py:1)\n") and text.endswith("... (cut)")
+    assert len(text) <= STACKS_MAX_BYTES + 20
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the check guards what root runs")
+@pytest.mark.parametrize("writable", ["directory", "file"])
+def test_cuda_checkpoint_and_py_spy_on_a_path_a_user_can_write_are_never_run_as_root(tmp_path, monkeypatch, writable):
+    """Party: a local user who can write a directory on the daemon's PATH (a venv, a build tree).
+    Root would run their `cuda-checkpoint` on every park and their `py-spy` before a hang kill."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    marker = tmp_path / "ran"
+    for name in ("cuda-checkpoint", "py-spy"):
+        (bindir / name).write_text(f"#!/bin/sh\ntouch {marker}\necho running\n")
+        (bindir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
+    assert BinaryCheckpointer.open().path == str(bindir / "cuda-checkpoint")  # root's alone: found
+    if writable == "directory":
+        bindir.chmod(0o777)
+    else:
+        for name in ("cuda-checkpoint", "py-spy"):
+            (bindir / name).chmod(0o777)
+    with pytest.raises(CheckpointUnavailable, match="not root's alone"):
+        BinaryCheckpointer.open()
+    text = asyncio.run(dump_stacks(1, 5.0))
+    assert text.startswith("py-spy not run: ") and "writable by non-root users" in text, text
+    assert not marker.exists()
