@@ -165,12 +165,14 @@ class Parker:
             except CheckpointError as e:
                 failure["restore"] = str(e)
                 raise
+
+        async def prove() -> None:  # after its servers are routed to again: a router without them answers 503
             failure["serving"] = await serves()
             if failure["serving"]:
                 raise CheckpointError(failure["serving"])
 
         try:
-            await instance.resume(bring_back)
+            await instance.resume(bring_back, prove)
         except CheckpointError:
             pass
         verdict = judge_restore(instance.name, failure["restore"], failure["serving"], time.monotonic() - began)
