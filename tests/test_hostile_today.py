@@ -113,3 +113,58 @@ def test_cuda_checkpoint_and_py_spy_on_a_path_a_user_can_write_are_never_run_as_
     text = asyncio.run(dump_stacks(1, 5.0))
     assert text.startswith("py-spy not run: ") and "writable by non-root users" in text, text
     assert not marker.exists()
+
+
+class Stranger:
+    """A local user's listener that answers every request `200 OK {}`."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4)
+        self.port = self.sock.getsockname()[1]
+        self.asked = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                try:
+                    if not conn.recv(65536):
+                        continue  # connected, nothing sent: the peer check refused it
+                    self.asked += 1
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                except OSError:
+                    pass
+
+
+def test_a_stranger_on_the_port_of_a_parked_front_end_does_not_prove_the_restore():
+    """Party: a local user who binds the serving port of a parked profile whose front end died
+    (a parked process may end; the port is then anyone's). The restore's proof of serving used
+    no peer check: the stranger's 200 made a dead profile 'restored and serving'."""
+    from types import SimpleNamespace
+
+    from test_parking import run, setup
+
+    stranger = Stranger()
+    try:
+        parker, _ckpt, inst, said = setup()
+        inst.profile.processes = [SimpleNamespace(name="server", serves_http=True, kind="server",
+                                                  probe_host="127.0.0.1", port=stranger.port)]
+        run(parker.park(inst))
+        cold: list[str] = []
+
+        async def cold_start() -> None:
+            cold.append("cold")
+
+        verdict = run(parker.restore(inst, cold_start))
+    finally:
+        stranger.sock.close()
+    assert stranger.asked == 0, "the proof of serving was sent to the stranger"
+    assert not verdict.serve and cold == ["cold"], verdict.say
+    assert "not by server" in verdict.say, verdict.say
