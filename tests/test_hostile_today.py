@@ -168,3 +168,79 @@ def test_a_stranger_on_the_port_of_a_parked_front_end_does_not_prove_the_restore
     assert stranger.asked == 0, "the proof of serving was sent to the stranger"
     assert not verdict.serve and cold == ["cold"], verdict.say
     assert "not by server" in verdict.say, verdict.say
+
+
+def test_a_pid_that_ended_while_parked_is_never_restored_it_may_be_anyones_now():
+    """Party: the parked profile's model code, which can end its own parked scheduler (or the
+    OOM killer does): its PID is then free for any process of the machine, another instance's
+    CUDA process included, and NVIDIA's utility has one verb for both ways (--toggle), so a
+    restore of that PID would checkpoint a stranger's server. The restore used the PIDs of the
+    park without asking whether they are still the profile's."""
+    from test_parking import run, setup
+
+    parker, ckpt, inst, said = setup()
+    run(parker.park(inst))
+    inst.processes["server"].spawned.group.pids = lambda: [100]  # 101 ended while parked
+    cold: list[str] = []
+
+    async def serves() -> str:
+        return ""
+
+    async def cold_start() -> None:
+        cold.append("cold")
+
+    verdict = run(parker.restore(inst, cold_start, serves))
+    assert ("restore", 101) not in ckpt.calls, "a PID no longer the profile's was restored"
+    assert not verdict.serve and cold == ["cold"] and "pid 101 is no longer tp1's" in verdict.say, verdict.say
+
+
+def test_cuda_checkpoint_never_toggles_a_running_process_on_restore():
+    """--toggle of a running process checkpoints it: a restore toggles only a checkpointed one."""
+    import subprocess
+
+    from supervisord_gpu.parking.checkpointer import CheckpointError
+
+    argvs: list[list[str]] = []
+
+    def fake_run(argv: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        argvs.append(argv)
+        return subprocess.CompletedProcess(argv, 0, "running\n", "")
+
+    b = BinaryCheckpointer("/usr/bin/cuda-checkpoint", fake_run)
+    with pytest.raises(CheckpointError, match="is running"):
+        b.restore(4242)
+    assert not any("--toggle" in a for a in argvs), argvs
+
+
+def test_a_childs_megabytes_of_argv_are_not_read_at_every_look(monkeypatch):
+    """Party: a server's model code, which execs a process of its cgroup with a 1.5 MB argv (and
+    can fork many): the hang watch read each one's whole /proc/PID/cmdline every 2 s, to find a
+    role in its first 15 bytes."""
+    import subprocess
+
+    from supervisord_gpu.engine import hang_sampler
+    from supervisord_gpu.engine.hang_sampler import GpuUtilization, HangSampler
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", *(["x" * 100_000] * 15)])
+    read: list[int] = []
+    real = hang_sampler.read_text
+
+    def recording(pid: int, name: str, *args: int) -> str | None:
+        text = real(pid, name, *args)
+        if name == "cmdline":
+            read.append(len(text or ""))
+        return text
+
+    monkeypatch.setattr(hang_sampler, "read_text", recording)
+
+    async def nothing() -> tuple[int | None, bytes]:
+        return None, b""
+
+    try:
+        time.sleep(0.2)
+        samples = HangSampler(0, lambda: [child.pid], nothing, nothing, GpuUtilization([])).processes()
+    finally:
+        child.kill()
+        child.wait()
+    assert [s.role for s in samples] == [""] and read, (samples, read)
+    assert max(read) <= 4096, f"read {max(read)} bytes of the child's cmdline"

@@ -185,6 +185,13 @@ class Parker:
 
         async def bring_back() -> None:
             try:
+                # a PID that ended while parked may be anyone's now: restoring (NVIDIA's utility
+                # toggles: checkpoints a running one) only what is still in the profile's cgroups
+                owned = {pid for p in instance.processes.values() if p.spawned is not None
+                         for pid in p.spawned.group.pids()}
+                if gone := [pid for pid in record.pids if pid not in owned]:
+                    raise CheckpointError(f"pid {', '.join(map(str, gone))} is no longer {instance.name}'s "
+                                          "(it ended while parked): nothing restored")
                 for pid in record.pids:
                     await asyncio.to_thread(self.checkpointer.restore, pid)
                     await asyncio.to_thread(self.checkpointer.unlock, pid)

@@ -31,6 +31,8 @@ from .hang import Observation, ProcSample
 
 Answer = tuple[int | None, bytes]
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+#: of a process's cmdline, the hang watch reads this much (the title's first 15 bytes name a role)
+TITLE_READ_BYTES = 256
 #: the stacks in the journal: at most this much of py-spy's output
 STACKS_MAX_BYTES = 32 << 10
 
@@ -122,7 +124,8 @@ class HangSampler:
             comm, state, ticks = seen
             role = server_metrics.role_of(comm, pid == self.main_pid)
             if not role:  # setproctitle rewrites argv; whether comm follows depends on its version
-                title = (read_text(pid, "cmdline") or "").split("\0")[0].strip()
+                # the first bytes only: a child's argv may be megabytes, read every look
+                title = (read_text(pid, "cmdline", TITLE_READ_BYTES) or "").split("\0")[0].strip()
                 role = server_metrics.role_of(title[:15], False)
             out.append(ProcSample(pid, role, state, ticks))
         return tuple(out)

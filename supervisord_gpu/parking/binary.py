@@ -70,6 +70,8 @@ class BinaryCheckpointer:
         self._expect(pid, CheckpointState.CHECKPOINTED, "--toggle")
 
     def restore(self, pid: int) -> None:
+        # --toggle checkpoints a running process: only one that is checkpointed is toggled back
+        self._expect(pid, CheckpointState.CHECKPOINTED, "nothing (before the toggle back)")
         self._call("--toggle", "--pid", str(pid), timeout=TOGGLE_TIMEOUT_S)
 
     def unlock(self, pid: int) -> None:
