@@ -244,3 +244,29 @@ def test_a_childs_megabytes_of_argv_are_not_read_at_every_look(monkeypatch):
         child.wait()
     assert [s.role for s in samples] == [""] and read, (samples, read)
     assert max(read) <= 4096, f"read {max(read)} bytes of the child's cmdline"
+
+
+def test_a_function_named_like_a_daemon_line_does_not_forge_one_in_the_stacks(monkeypatch):
+    """Party: the hung server's model code, whose function names reach the stacks py-spy prints.
+    A name with a newline and `supervisord-gpu: ...` in it read as a line of the daemon's own in
+    the text output of `supervisord-gpu run` (printable() keeps newlines: the stacks need them)."""
+    import io
+    from types import SimpleNamespace
+
+    from supervisord_gpu.engine import process
+    from supervisord_gpu.engine.hang import HangVerdict
+    from supervisord_gpu.engine.states import ProcessState
+    from supervisord_gpu.systemd.journal import StderrSink
+
+    async def forged(pid: int, timeout: float) -> str:
+        return 'Thread 7 (idle): "MainThread"\n    f (model.py:1)\nsupervisord-gpu: instance ready in 1.00 s'
+
+    monkeypatch.setattr(process, "dump_stacks", forged)
+    out = io.StringIO()
+    me = SimpleNamespace(name="main", sink=StderrSink("a", stream=out, colour=False), state=ProcessState.STOPPING,
+                         _stopping=True, _exited=asyncio.Event(), spawned=None, signals_sent={})
+    asyncio.run(process.ManagedProcess._kill_hung(me, HangVerdict(kill="stopped", evidence="e", pids=(7,))))  # type: ignore[arg-type]
+    lines = out.getvalue().splitlines()
+    ours = [line for line in lines if line.startswith("supervisord-gpu:")]
+    assert len(ours) == 2 and all(line.startswith("supervisord-gpu: main: ") for line in ours), lines
+    assert any("f (model.py:1)" in line for line in lines)

@@ -164,6 +164,13 @@ def printable(text: str, limit: int = STACKS_MAX_BYTES) -> str:
     return clean + ("\n... (cut)" if len(text) > limit else "")
 
 
+def quoted_lines(text: str) -> str:
+    """The stacks as lines of their own, each marked `  | `: a function named with a newline and
+    `supervisord-gpu: ...` in it must not read as a line of ours where the output is text
+    (the stderr sink of `supervisord-gpu run`), as it does not in the journal."""
+    return "\n".join(f"  | {line}" for line in text.split("\n"))
+
+
 async def dump_stacks(pid: int, timeout: float, py_spy: str | None = None) -> str:
     """`py-spy dump --pid PID`: the stack of every thread, or why there is none. Never longer
     than `timeout`: a py-spy that does not end by then is killed (it may wait on a stopped
