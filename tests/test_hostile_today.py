@@ -270,3 +270,30 @@ def test_a_function_named_like_a_daemon_line_does_not_forge_one_in_the_stacks(mo
     ours = [line for line in lines if line.startswith("supervisord-gpu:")]
     assert len(ours) == 2 and all(line.startswith("supervisord-gpu: main: ") for line in ours), lines
     assert any("f (model.py:1)" in line for line in lines)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the children of a daemon not run as root are its own user's")
+def test_a_module_planted_in_the_daemons_working_directory_is_not_what_a_child_runs(tmp_path, monkeypatch):
+    """Party: a local user who can write the directory root ran `supervisord-gpu run` from
+    (/tmp, a shared checkout). `python3 -m smg` (the router the daemon picks when router_command
+    is unset), `python3 -m sglang.launch_server` and the key shims' `python3 -c` put the working
+    directory first on sys.path, and the children inherited the daemon's: the user's module ran
+    as the router or server, with its key."""
+    from supervisord_gpu.ownership.base import SpawnRequest
+    from supervisord_gpu.ownership.session import SessionDriver
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    marker = tmp_path / "planted-ran"
+    (shared / "planted_router.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.chdir(shared)
+
+    async def go() -> int:
+        spawned = await SessionDriver().spawn(SpawnRequest("a", "router", [sys.executable, "-m", "planted_router"],
+                                                           {"PATH": "/usr/bin:/bin"}))
+        return await asyncio.wait_for(spawned.proc.wait(), 20)
+
+    code = asyncio.run(go())
+    assert not marker.exists(), "the local user's module ran as the child"
+    assert code != 0
