@@ -297,3 +297,35 @@ def test_a_module_planted_in_the_daemons_working_directory_is_not_what_a_child_r
     code = asyncio.run(go())
     assert not marker.exists(), "the local user's module ran as the child"
     assert code != 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="plays another uid's directory of holdings (chown)")
+def test_another_users_claim_in_the_shared_holders_directory_does_not_park_or_restore_our_pid(tmp_path):
+    """Party: another local user of a rehearsal box (holders/ is 1777 by design: the stand-ins run
+    as the profiles' users). The simulated checkpointer looked for `.parked.PID.json` in every
+    user's directory: a file of theirs naming our PID said it was checkpointed, and would have
+    been restored (renamed) in place of ours."""
+    import json
+
+    from supervisord_gpu.checks.gpus import SimulatedInventory
+    from supervisord_gpu.checks.simgpu import SimulatedGpus
+    from supervisord_gpu.parking.checkpointer import CheckpointState
+    from supervisord_gpu.parking.simulated import SimulatedCheckpointer
+
+    sim = SimulatedGpus.create(tmp_path / "simgpu", 1, total_mib=1000, reserved_mib=0)
+    sim.hold([0], 600)
+    me = os.getpid()
+    theirs = sim.directory / "holders" / "12345"
+    theirs.mkdir()
+    claim = theirs / f".parked.{me}.json"
+    claim.write_text(json.dumps({"pid": me, "create_time": 0, "gpus": [0], "mib": 0}))
+    os.chown(claim, 12345, 12345)
+    os.chown(theirs, 12345, 12345)
+    ckpt = SimulatedCheckpointer(sim)
+    assert ckpt.state(me) == CheckpointState.RUNNING, "another user's file made our PID checkpointed"
+    ckpt.lock(me, 1000)
+    ckpt.checkpoint(me)
+    assert SimulatedInventory(sim).snapshot([0])[0].idle
+    ckpt.restore(me)
+    ckpt.unlock(me)
+    assert SimulatedInventory(sim).snapshot([0])[0].used_mib == 600 and claim.exists()
