@@ -71,6 +71,7 @@ FAST_MODULES = frozenset({
     "test_parking",
     "test_routers",
     "test_hang_rules",
+    "test_hostile_today",
 })
 
 

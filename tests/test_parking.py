@@ -78,8 +78,10 @@ class FakeInstance:
         await suspend()
         self.state = InstanceState.PARKED
 
-    async def resume(self, restore: Any) -> None:
+    async def resume(self, restore: Any, prove: Any = None) -> None:
         await restore()
+        if prove is not None:
+            await prove()
         self.state = InstanceState.READY
 
     async def stop(self, reason: str = "") -> float:

@@ -263,3 +263,22 @@ def read_trusted(path: Path, limit: int = 1 << 20) -> bytes:
         return os.read(fd, limit)
     finally:
         os.close(fd)
+
+
+def untrusted_program(path: str) -> str:
+    """Why root must not run the program at `path` (found on PATH: cuda-checkpoint, py-spy), or "".
+
+    As root, the same walk as `read_verified`: the file and every directory above it root's (or
+    ours) and writable by nobody else, so a PATH that names a directory a user can write (their
+    venv, a build tree, /tmp) never makes root run that user's file. Not root: "" (nothing runs
+    as root)."""
+    if os.geteuid() != 0:
+        return ""
+    try:
+        fd, _shown = _Walk().open(Path(path), want_dir=False)
+    except ConfigError as e:
+        return str(e)
+    except OSError as e:
+        return f"{path}: {e.strerror or e}"
+    os.close(fd)
+    return ""

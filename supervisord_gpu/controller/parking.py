@@ -25,10 +25,11 @@ import time
 from collections.abc import Awaitable, Callable
 
 from ..checks.gpus import GpuInventory
-from ..config.model import Profile
+from ..config.model import ProcessSpec, Profile
 from ..engine.instance import Instance
-from ..engine.probe import request
-from ..errors import ParkRefused, PreconditionError
+from ..engine.probe import PeerCheck, request, who_accepted
+from ..engine.traffic import ACCEPT_WAIT_S
+from ..errors import ParkRefused, PreconditionError, one_line
 from ..parking import hostmem
 from ..parking.checkpointer import Checkpointer, CheckpointError, CheckpointState
 from ..parking.decisions import (
@@ -50,22 +51,46 @@ LOCK_TIMEOUT_MS = 30_000
 GENERATION_TIMEOUT_S = 30.0
 
 
-async def one_generation(host: str, port: int, timeout: float = GENERATION_TIMEOUT_S) -> str:
+async def one_generation(host: str, port: int, timeout: float = GENERATION_TIMEOUT_S,
+                         peer_check: PeerCheck | None = None) -> str:
     """"" when POST /generate answers 200 (one token, greedy); else why not. The proof of
-    serving after a restore: /health would not do, it is answered by the front end alone."""
+    serving after a restore: /health would not do, it is answered by the front end alone.
+    With `peer_check`, only an answer from the process it names counts (a stranger who holds
+    the port of a front end that died while parked would otherwise prove it serving)."""
     body = {"text": "ping", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
-    status, answer = await request("POST", host, port, "/generate", body, timeout=timeout)
+    status, answer = await request("POST", host, port, "/generate", body, timeout=timeout, peer_check=peer_check)
     if status == 200:
         return ""
+    if status is None and answer:
+        return f"/generate {one_line(answer.decode(errors='replace'))[:200]}"
     return f"/generate answered {status if status is not None else 'nothing'}"
 
 
 def serving_entry(profile: Profile) -> tuple[str, int]:
     """Where one generation proves the profile serves: its router, else its first server."""
+    first = _entry_spec(profile)
+    return first.probe_host, first.port
+
+
+def _entry_spec(profile: Profile) -> ProcessSpec:
     specs = [p for p in profile.processes if p.serves_http]
     routers = [p for p in specs if p.kind == "router"]
-    first = (routers or specs)[0]
-    return first.probe_host, first.port
+    return (routers or specs)[0]
+
+
+def accepted_by(instance: Instance, name: str) -> PeerCheck:
+    """The peer check of a call to process `name` of `instance`: "" when a process of its own
+    cgroup accepted the connection, else why nothing is sent."""
+
+    def pids() -> list[int]:
+        proc = instance.processes.get(name)
+        return proc.spawned.group.pids() if proc is not None and proc.spawned is not None else []
+
+    async def check(ours: tuple[str, int], theirs: tuple[str, int]) -> str:
+        found = await who_accepted(ours, theirs, pids, ACCEPT_WAIT_S)
+        return "" if found.ours else f"not sent: on port {theirs[1]} {found.why_not()}, not by {name}"
+
+    return check
 
 
 class Parker:
@@ -149,9 +174,10 @@ class Parker:
             raise PreconditionError(f"{instance.name} is not parked: nothing to restore")
         if serves is None:
             host, port = serving_entry(instance.profile)
+            check = accepted_by(instance, _entry_spec(instance.profile).name)
 
             async def serves() -> str:
-                return await one_generation(host, port)
+                return await one_generation(host, port, peer_check=check)
 
         assert serves is not None
         began = time.monotonic()
@@ -159,18 +185,27 @@ class Parker:
 
         async def bring_back() -> None:
             try:
+                # a PID that ended while parked may be anyone's now: restoring (NVIDIA's utility
+                # toggles: checkpoints a running one) only what is still in the profile's cgroups
+                owned = {pid for p in instance.processes.values() if p.spawned is not None
+                         for pid in p.spawned.group.pids()}
+                if gone := [pid for pid in record.pids if pid not in owned]:
+                    raise CheckpointError(f"pid {', '.join(map(str, gone))} is no longer {instance.name}'s "
+                                          "(it ended while parked): nothing restored")
                 for pid in record.pids:
                     await asyncio.to_thread(self.checkpointer.restore, pid)
                     await asyncio.to_thread(self.checkpointer.unlock, pid)
             except CheckpointError as e:
                 failure["restore"] = str(e)
                 raise
+
+        async def prove() -> None:  # after its servers are routed to again: a router without them answers 503
             failure["serving"] = await serves()
             if failure["serving"]:
                 raise CheckpointError(failure["serving"])
 
         try:
-            await instance.resume(bring_back)
+            await instance.resume(bring_back, prove)
         except CheckpointError:
             pass
         verdict = judge_restore(instance.name, failure["restore"], failure["serving"], time.monotonic() - began)

@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from ..config.trust import untrusted_program
 from ..ownership.procfs import read_text, run_state
 from ..sglang import server_metrics
 from ..sglang.server_metrics import MetricsError, ServerMetrics
@@ -30,6 +31,8 @@ from .hang import Observation, ProcSample
 
 Answer = tuple[int | None, bytes]
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+#: of a process's cmdline, the hang watch reads this much (the title's first 15 bytes name a role)
+TITLE_READ_BYTES = 256
 #: the stacks in the journal: at most this much of py-spy's output
 STACKS_MAX_BYTES = 32 << 10
 
@@ -121,7 +124,8 @@ class HangSampler:
             comm, state, ticks = seen
             role = server_metrics.role_of(comm, pid == self.main_pid)
             if not role:  # setproctitle rewrites argv; whether comm follows depends on its version
-                title = (read_text(pid, "cmdline") or "").split("\0")[0].strip()
+                # the first bytes only: a child's argv may be megabytes, read every look
+                title = (read_text(pid, "cmdline", TITLE_READ_BYTES) or "").split("\0")[0].strip()
                 role = server_metrics.role_of(title[:15], False)
             out.append(ProcSample(pid, role, state, ticks))
         return tuple(out)
@@ -160,30 +164,61 @@ def printable(text: str, limit: int = STACKS_MAX_BYTES) -> str:
     return clean + ("\n... (cut)" if len(text) > limit else "")
 
 
+def quoted_lines(text: str) -> str:
+    """The stacks as lines of their own, each marked `  | `: a function named with a newline and
+    `supervisord-gpu: ...` in it must not read as a line of ours where the output is text
+    (the stderr sink of `supervisord-gpu run`), as it does not in the journal."""
+    return "\n".join(f"  | {line}" for line in text.split("\n"))
+
+
 async def dump_stacks(pid: int, timeout: float, py_spy: str | None = None) -> str:
     """`py-spy dump --pid PID`: the stack of every thread, or why there is none. Never longer
     than `timeout`: a py-spy that does not end by then is killed (it may wait on a stopped
-    process) and what it printed is dropped."""
+    process) and what it printed is dropped. Never more than STACKS_MAX_BYTES read: past it
+    py-spy is killed and what it printed is cut."""
     tool = py_spy or shutil.which("py-spy")
     if tool is None:
         return "py-spy not installed"
+    if py_spy is None and (why := untrusted_program(tool)):  # root runs it with ptrace on the child
+        return f"py-spy not run: {why}"
     try:
         proc = await asyncio.create_subprocess_exec(tool, "dump", "--pid", str(pid), stdin=asyncio.subprocess.DEVNULL,
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
                                                     start_new_session=True)
     except OSError as e:
         return f"py-spy did not start ({e.strerror})"
+    out = bytearray()
+    cut = False
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+        async with asyncio.timeout(timeout):
+            assert proc.stdout is not None
+            # read no further than the journal gets: the stacks are the child's words, and a
+            # child can make them as long as it likes (deep recursion, long names, many threads)
+            while len(out) <= STACKS_MAX_BYTES and (chunk := await proc.stdout.read(1 << 16)):
+                out += chunk
+            if len(out) > STACKS_MAX_BYTES:
+                cut = True
+                _end_py_spy(proc.pid)
+            await proc.wait()
     except TimeoutError:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # its own session and group: whatever it started goes too
-        except ProcessLookupError:
-            pass
-        try:
-            await asyncio.wait_for(proc.communicate(), 1.0)  # reaped, its pipe read to the end and closed
-        except TimeoutError:
-            pass
+        _end_py_spy(proc.pid)
+        await _reap(proc)
         return f"py-spy gave no stacks within {timeout:g} s"
+    await _reap(proc)
     text = printable(out.decode(errors="replace"))
-    return text if proc.returncode == 0 else f"py-spy failed (exit {proc.returncode}): {text.strip()[:500]}"
+    return text if proc.returncode == 0 or cut else f"py-spy failed (exit {proc.returncode}): {text.strip()[:500]}"
+
+
+def _end_py_spy(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)  # its own session and group: whatever it started goes too
+    except ProcessLookupError:
+        pass
+
+
+async def _reap(proc: asyncio.subprocess.Process) -> None:
+    """Reaped, its pipe read to the end (at most what the pipe held: its writers are dead) and closed."""
+    try:
+        await asyncio.wait_for(proc.communicate(), 1.0)
+    except TimeoutError:
+        pass

@@ -317,16 +317,20 @@ class Instance:
             self._parked_workers = workers
             self._set_state(InstanceState.PARKED, reason)
 
-    async def resume(self, restore: Callable[[], Awaitable[None]]) -> None:
-        """`restore` (the controller's restore and one generation), then liveness and traffic
-        back, READY. A `restore` that raises leaves it PARKED: the caller stops it and starts it
-        cold (controller/parking.py says so)."""
+    async def resume(self, restore: Callable[[], Awaitable[None]],
+                     prove: Callable[[], Awaitable[None]] | None = None) -> None:
+        """`restore` (the controller's restore of each process), then liveness and traffic back,
+        then `prove` (one generation: through the router, where there is one, it needs the servers
+        routed to again, so it comes after them), READY. A `restore` or a `prove` that raises
+        leaves it PARKED: the caller stops it and starts it cold (controller/parking.py says so)."""
         async with self._lock:
             if self.state != InstanceState.PARKED:
                 raise PreconditionError(f"{self.name} is {self.state.value}, not parked: nothing to restore")
             await restore()
             await self._unpark(self._parked_workers, "restored")
             self._parked_workers = {}
+            if prove is not None:
+                await prove()
             self._set_state(InstanceState.READY, "restored")
 
     async def _unpark(self, workers: Mapping[str, RouterWorkers | None], detail: str) -> None:

@@ -109,17 +109,24 @@ def _healthy_workers(body: bytes) -> int:
         return 0  # whatever a stranger on the port answers: its shape never raises here
 
 
+#: the most of an answer `request` reads: the engine's calls get a few KiB back (a worker list,
+#: loads, one generated token; /metrics is read up to its own 1 MiB bound)
+MAX_ANSWER_BYTES = 4 << 20
+
+
 async def request(method: str, host: str, port: int, path: str, body: object = None,
                   timeout: float = 5.0, headers: Mapping[str, str] | None = None,
-                  peer_check: PeerCheck | None = None, max_bytes: int | None = None) -> tuple[int | None, bytes]:
+                  peer_check: PeerCheck | None = None, max_bytes: int = MAX_ANSWER_BYTES) -> tuple[int | None, bytes]:
     """One HTTP/1.1 request with an optional JSON body; (status, body), status None without an answer.
 
     For the few control calls the engine makes (the router's /workers API, a server's load):
     small bodies, one connection each, never blocking the loop. `headers` (the router's
     `Authorization: Bearer KEY`) must not hold CR or LF: a value that could add a header of its
     own is refused (ValueError), never sent. With `peer_check`, nothing is sent unless it says
-    the process that accepted the connection is ours; otherwise (None, its reason). With
-    `max_bytes`, reading stops past that many bytes (a neighbour's endless body costs no memory).
+    the process that accepted the connection is ours; otherwise (None, its reason). Reading
+    stops past `max_bytes` (MAX_ANSWER_BYTES unless told): the answer is written by a child's
+    model code (directly, or through its router) or by a neighbour on the port, and an endless
+    body must cost the daemon no more memory than that.
     """
     extra = "".join(f"{name}: {value}\r\n" for name, value in _safe(headers or {}))
     writer = None
@@ -135,12 +142,10 @@ async def request(method: str, host: str, port: int, path: str, body: object = N
                     + extra + "\r\n")
             writer.write(head.encode() + payload)
             await writer.drain()
-            if max_bytes is None:
-                raw = await reader.read()
-            else:
-                raw = b""
-                while len(raw) <= max_bytes and (chunk := await reader.read(1 << 16)):
-                    raw += chunk
+            got = bytearray()
+            while len(got) <= max_bytes and (chunk := await reader.read(1 << 16)):
+                got += chunk
+            raw = bytes(got)
     except (TimeoutError, OSError, ValueError):
         return None, b""
     finally:

@@ -28,7 +28,7 @@ from ..sglang import logs as phases
 from ..sglang.server_metrics import MAX_BODY as METRICS_MAX_BODY
 from .deadline import StartDeadline
 from .hang import HangVerdict, HangWatch
-from .hang_sampler import CLK_TCK, GpuUtilization, HangSampler, dump_stacks
+from .hang_sampler import CLK_TCK, GpuUtilization, HangSampler, dump_stacks, quoted_lines
 from .events import Event, LogSink
 from .liveness import LivenessWatch
 from .output import OutputSplitter
@@ -557,7 +557,7 @@ class ManagedProcess:
                         GPUSUP_PROCESS=self.name, GPUSUP_EVENT="hang")
         stacks = await asyncio.gather(*(dump_stacks(pid, STACK_DUMP_S) for pid in verdict.pids))
         for pid, text in zip(verdict.pids, stacks, strict=True):
-            self.sink.event(f"{self.name}: stacks of pid {pid} before the kill:\n{text}", 4,
+            self.sink.event(f"{self.name}: stacks of pid {pid} before the kill:\n{quoted_lines(text)}", 4,
                             GPUSUP_PROCESS=self.name, GPUSUP_EVENT="hang-stacks", GPUSUP_PID=str(pid))
         if (self.state != ProcessState.READY or self._stopping or self._exited.is_set() or self.spawned is None
                 or signal.SIGKILL in self.signals_sent):

@@ -17,6 +17,7 @@ import signal
 import sys
 from ..records import dataclass, field
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -111,7 +112,7 @@ class OwnershipDriver(abc.ABC):
             proc = await asyncio.create_subprocess_exec(
                 program, *args,
                 env=dict(req.env),
-                cwd=req.cwd,
+                cwd=req.cwd if req.cwd is not None else child_cwd(),
                 **credentials(req.user),
                 pass_fds=(gate_r,),
                 stdin=asyncio.subprocess.DEVNULL,
@@ -166,6 +167,25 @@ _GATE = (
     "except OSError as e:\n"
     " sys.stderr.write('supervisord-gpu: cannot execute %s: %s\\n'%(sys.argv[2],e.strerror)); os._exit(127)\n"
 )
+
+
+def child_cwd() -> str | None:
+    """Where a child starts when its request names no directory: the daemon's own (None), unless
+    another user could write that one, then "/". `python3 -m MODULE` (the router the daemon picks,
+    the servers) and the key shims' `python3 -c` put the working directory first on sys.path: a
+    module planted there by a local user (root ran `supervisord-gpu run` from /tmp, say) would
+    run as the child, with its admin or control-plane key. Only as root: otherwise the children
+    run as the daemon's own user, who could run that file anyway."""
+    if os.geteuid() != 0:
+        return None
+    from ..config.trust import check_modes
+    from ..errors import SupervisorError
+
+    try:
+        check_modes(Path(os.getcwd()))
+    except (OSError, SupervisorError):
+        return "/"
+    return None
 
 
 def gate_argv(fd: int, argv: Sequence[str]) -> list[str]:

@@ -60,11 +60,12 @@ def all_pids() -> Iterator[int]:
             yield int(name)
 
 
-def read_text(pid: int, name: str) -> str | None:
-    """/proc/PID/<name>, or None when the process is gone ("" when we may not read it)."""
+def read_text(pid: int, name: str, limit: int = -1) -> str | None:
+    """/proc/PID/<name> (at most `limit` bytes of it, when given), or None when the process is
+    gone ("" when we may not read it)."""
     try:
         with open(f"/proc/{pid}/{name}", "rb") as f:
-            return f.read().decode(errors="replace")
+            return f.read(limit).decode(errors="replace")
     except (FileNotFoundError, ProcessLookupError):
         return None
     except OSError:

@@ -7,7 +7,8 @@ checks that the process is running, and `checkpoint` is the toggle; `restore` is
 back and `unlock` checks the result. This is what was measured on the real SGLang (an H100,
 driver 580.159): 21.7 GB parked in 12.0 s and back in 4.1 s.
 
-Its output is the utility's, a binary of root's found on PATH: parsed into CheckpointState, any
+Its output is the utility's, a binary of root's found on PATH (believed root's only where it and
+every directory above it are writable by root alone, config/trust.py): parsed into CheckpointState, any
 other word refused.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 
+from ..config.trust import untrusted_program
 from .checkpointer import CheckpointError, CheckpointState, CheckpointUnavailable
 
 BINARY = "cuda-checkpoint"
@@ -35,6 +37,8 @@ class BinaryCheckpointer:
         found = path or shutil.which(BINARY)
         if not found:
             raise CheckpointUnavailable(f"no {BINARY} on PATH")
+        if why := untrusted_program(found):  # root runs it: never a file another user could have put there
+            raise CheckpointUnavailable(f"{BINARY} on PATH is not root's alone: {why}")
         return cls(found)
 
     def _call(self, *argv: str, timeout: float = 30.0) -> str:
@@ -66,6 +70,8 @@ class BinaryCheckpointer:
         self._expect(pid, CheckpointState.CHECKPOINTED, "--toggle")
 
     def restore(self, pid: int) -> None:
+        # --toggle checkpoints a running process: only one that is checkpointed is toggled back
+        self._expect(pid, CheckpointState.CHECKPOINTED, "nothing (before the toggle back)")
         self._call("--toggle", "--pid", str(pid), timeout=TOGGLE_TIMEOUT_S)
 
     def unlock(self, pid: int) -> None:

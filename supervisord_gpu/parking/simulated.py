@@ -19,9 +19,11 @@ between two calls of one park, is kept here.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
-from ..checks.simgpu import SimulatedGpus, _parse_holding
+from ..checks.simgpu import SimulatedGpus, _holdings_dir_owner, _parse_holding
+from ..ownership.procfs import real_uid
 from .checkpointer import CheckpointError, CheckpointState
 
 MIB = 1 << 20
@@ -34,16 +36,34 @@ class SimulatedCheckpointer:
         self.sim = sim
         self._locked: set[int] = set()
 
-    def _holders_dirs(self) -> list[Path]:
+    def _holders_dirs(self, pid: int) -> list[Path]:
+        """The directories that may speak for `pid` (checks/simgpu.py's rule): holders/ is 1777,
+        so only one of the process's own user, or root's, writable by its owner alone."""
+        uid = real_uid(pid)
         try:
-            return [Path(e.path) for e in os.scandir(self.sim.directory / "holders") if e.is_dir(follow_symlinks=False)]
+            entries = list(os.scandir(self.sim.directory / "holders"))
         except OSError:
             return []
+        out = []
+        for e in entries:
+            try:
+                owner = _holdings_dir_owner(e.stat(follow_symlinks=False))
+            except OSError:
+                continue
+            if owner is not None and (owner == uid or owner == 0):
+                out.append(Path(e.path))
+        return out
 
     def _find(self, pid: int, parked: bool) -> Path | None:
+        """Its holding (or parked holding): a regular file, never through a symlink, owned by its
+        directory's owner; another user's claim for our PID is nobody's."""
         name = f".parked.{pid}.json" if parked else f"{pid}.json"
-        for d in self._holders_dirs():
-            if (d / name).is_file():
+        for d in self._holders_dirs(pid):
+            try:
+                st, dst = os.lstat(d / name), os.lstat(d)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and st.st_uid == dst.st_uid:
                 return d / name
         return None
 
