@@ -11,10 +11,10 @@ systemd says runs. Anything else is ignored: the instance is then stopped as any
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-from ..config.trust import open_nofollow, read_trusted, secure_directory
+from ..config.trust import read_trusted, secure_directory
+from .registry import write_record
 from ..parking.decisions import ParkedProfile
 
 
@@ -24,18 +24,7 @@ def _dir(runtime: Path) -> Path:
 
 
 def write(runtime: Path, record: ParkedProfile) -> None:
-    d = _dir(runtime)
-    tmp = d / f".{record.instance}.{os.getpid()}.tmp"
-    try:
-        tmp.unlink()
-    except FileNotFoundError:
-        pass
-    fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.write(fd, json.dumps(record.to_json()).encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, d / f"{record.instance}.json")
+    write_record(_dir(runtime), record.instance, record.to_json())
 
 
 def remove(runtime: Path, instance: str) -> None:

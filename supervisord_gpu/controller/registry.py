@@ -65,18 +65,25 @@ def register(runtime: Path, profile: Profile, driver: str) -> Path:
     me = psutil.Process()
     rec = Record(profile.name, me.pid, me.create_time(), str(profile.path), sorted(profile.gpus),
                  sorted({listen.port for listen in profile.listens()}), driver, os.geteuid(), read_cgroup(me.pid) or "")
-    path = d / f"{profile.name}.json"
-    tmp = d / f".{profile.name}.{os.getpid()}.tmp"
+    return write_record(d, profile.name, asdict(rec))
+
+
+def write_record(directory: Path, name: str, record: dict[str, object]) -> Path:
+    """`directory/NAME.json`, whole or not at all: written to a fresh temporary file opened
+    without following links, then renamed over the old one (a rename replaces a planted symlink
+    at the path itself, never follows it). `directory` is root's (secure_directory)."""
+    path = directory / f"{name}.json"
+    tmp = directory / f".{name}.{os.getpid()}.tmp"
     try:
         tmp.unlink()
     except FileNotFoundError:
         pass
     fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        os.write(fd, json.dumps(asdict(rec)).encode())
+        os.write(fd, json.dumps(record).encode())
     finally:
         os.close(fd)
-    os.replace(tmp, path)  # rename replaces a planted symlink at `path` itself, never follows it
+    os.replace(tmp, path)
     return path
 
 
