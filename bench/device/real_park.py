@@ -123,9 +123,13 @@ class Park:
         other = solo.replace(f"port = {R.SERVER_PORT}", f"port = {OTHER_PORT}").replace("(issue 27)", "(issue 39: the switch's other)")
         saver = (solo.replace(f"port = {R.SERVER_PORT}", f"port = {SAVER_PORT}")
                  .replace("disable-radix-cache = true\n", "disable-radix-cache = true\nenable-memory-saver = true\n"))
-        if self.args.mode == "standin":  # 38000 MiB of simulated GPU memory would be refused on a small host
-            toml = run.etc / "supervisord-gpu.toml"
-            toml.write_text(toml.read_text().replace("server_mib_per_gpu = 38000", "server_mib_per_gpu = 2000"))
+        if self.args.mode == "standin":
+            # the stand-in holds mem-fraction x its simulated card (143771 MiB): 0.25 of it is 35 GB, which
+            # the park's host-memory check would rightly refuse on a small host; 0.02 is 2.8 GB
+            solo, other, saver = (t.replace("mem-fraction-static = 0.25", "mem-fraction-static = 0.02")
+                                  for t in (solo, other, saver))
+            (run.etc / "profiles" / "solo.toml").write_text(solo)
+            run.results["setup"]["profiles"]["solo"] = solo
         for name, text in (("other", other), ("saver", saver)):
             (run.etc / "profiles" / f"{name}.toml").write_text(text)
             run.results["setup"]["profiles"][name] = text
