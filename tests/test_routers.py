@@ -52,7 +52,8 @@ def test_a_named_router_command_wins_and_is_known_by_its_module() -> None:
         ("/opt/py", "-m", "sglang_router.launch_router"), SGLANG_ROUTER)
     assert routers.resolve(["python3", "-m", "smg.launch_router"], only())[1] is SMG
     assert routers.resolve(["/usr/local/bin/my-router"], only("smg"))[1] is None
-    assert routers.resolve([], only("smg", "sglang_router")) == (("python3", "-m", "smg.launch_router"), SMG)
+    # found in the daemon's Python, run by it: `python3` on the children's PATH may lack it (a venv)
+    assert routers.resolve([], only("smg", "sglang_router")) == ((sys.executable, "-m", "smg.launch_router"), SMG)
     assert routers.resolve([], only()) == ((), None)
 
 

@@ -124,14 +124,18 @@ def resolve(command: Sequence[str],
             find_spec: FindSpec | None = None) -> tuple[tuple[str, ...], RouterKind | None]:
     """(the router's program, which router it is): the config's `router_command` when it names one
     (its kind None when it runs neither known module), else the preferred router installed; ((), None)
-    when none is (said where a router is rendered, as one line: `NoRouterInstalled`)."""
+    when none is (said where a router is rendered, as one line: `NoRouterInstalled`).
+
+    The router found installed is found in this Python (the daemon's), so this Python runs it:
+    `python3` from the children's PATH may be another interpreter (a daemon installed in a venv,
+    a system python3 without the router), which would fail at start with "No module named smg"."""
     if command:
         return tuple(command), of_command(command)
     try:
         kind = pick(find_spec)
     except NoRouterInstalled:
         return (), None
-    return kind.command(), kind
+    return kind.command(sys.executable or "python3"), kind
 
 
 def of_command(command: Sequence[str]) -> RouterKind | None:
