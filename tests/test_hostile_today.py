@@ -318,7 +318,8 @@ def test_another_users_claim_in_the_shared_holders_directory_does_not_park_or_re
     theirs = sim.directory / "holders" / "12345"
     theirs.mkdir()
     claim = theirs / f".parked.{me}.json"
-    claim.write_text(json.dumps({"pid": me, "create_time": 0, "gpus": [0], "mib": 0}))
+    # our true start time (anyone reads it in /proc/PID/stat): a claim for a process alive, not a dead one's
+    claim.write_text(json.dumps({"pid": me, "create_time": __import__("psutil").Process(me).create_time(), "gpus": [0], "mib": 0}))
     os.chown(claim, 12345, 12345)
     os.chown(theirs, 12345, 12345)
     ckpt = SimulatedCheckpointer(sim)

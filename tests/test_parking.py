@@ -317,6 +317,91 @@ def test_simulated_restore_onto_a_gpu_someone_filled_fails(tmp_path: Any) -> Non
         other.wait()
 
 
+#: what dsv4@.service's CapabilityBoundingSet leaves out of the daemon's root (setpriv drops them
+#: for the exec, as systemd does): without them root cannot write in another user's directory
+UNIT_SANDBOX = ["setpriv", "--bounding-set=-dac_override,-fowner"]
+PARK_AS_THE_UNIT = """
+import json, os, signal, subprocess, sys
+from pathlib import Path
+from supervisord_gpu.checks.simgpu import SimulatedGpus
+from supervisord_gpu.parking.simulated import SimulatedCheckpointer
+
+sim, nobody = SimulatedGpus(sys.argv[1]), 65534
+server = subprocess.Popen(["sleep", "60"], user=nobody, group=nobody, extra_groups=[])
+mine = sim.directory / "holders" / str(nobody)
+mine.mkdir(mode=0o755)
+held = mine / f"{server.pid}.json"
+held.write_text(json.dumps({"pid": server.pid, "create_time": __import__("psutil").Process(server.pid).create_time(),
+                            "gpus": [0], "mib": 600}))
+os.chown(held, nobody, nobody)
+os.chown(mine, nobody, nobody)
+ckpt, seen = SimulatedCheckpointer(sim), {}
+try:
+    ckpt.lock(server.pid, 1000)
+    ckpt.checkpoint(server.pid)
+    seen["parked"] = sorted(os.listdir(mine))
+    ckpt.restore(server.pid)
+    ckpt.unlock(server.pid)
+    seen["restored"] = sorted(os.listdir(mine))
+    ckpt.lock(server.pid, 1000)
+    ckpt.checkpoint(server.pid)
+finally:
+    server.kill()
+    server.wait()
+ckpt.forget(server.pid)  # a parked profile's stop: after its processes ended
+seen["stopped"] = sorted(os.listdir(mine))
+seen["pid"] = server.pid
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="plays the unit's root, which runs the servers as another user")
+def test_simulated_park_works_for_a_servers_user_as_the_units_root_without_dac_override(tmp_path: Any) -> None:
+    """Under dsv4@.service the daemon's root has no CAP_DAC_OVERRIDE/CAP_FOWNER, and the shipped
+    profiles run their servers as `sglang`: the park of pd-1p1d failed there with "Permission
+    denied" renaming holders/<uid>/PID.json. The renames and the stop's removal run as the
+    directory's owner, and the stop finds the parked holding of a process already gone."""
+    import json
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    top = Path(tempfile.mkdtemp(prefix="park-sandbox-"))  # tmp_path's parents are 0700: nobody could enter
+    try:
+        os.chmod(top, 0o755)
+        SimulatedGpus.create(top / "simgpu", 1, total_mib=1000, reserved_mib=0)
+        done = subprocess.run([*UNIT_SANDBOX, sys.executable, "-c", PARK_AS_THE_UNIT, str(top / "simgpu")],
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr[-2000:]
+        seen = json.loads(done.stdout)
+        pid = seen["pid"]
+        assert seen["parked"] == [f".parked.{pid}.json"] and seen["restored"] == [f"{pid}.json"], seen
+        assert seen["stopped"] == [], "a stop of a parked profile left its host copy behind"
+    finally:
+        subprocess.run(["rm", "-rf", str(top)], check=False)
+
+
+def test_the_parked_holding_of_a_process_that_died_is_dropped_by_the_next_reader(tmp_path: Any) -> None:
+    """A parked daemon SIGKILLed under systemd: its processes die with it (BindsTo=), nothing
+    forgets their host copies, and 8 `.parked.PID.json` of the dead were left for good (seen in
+    tests/test_parking_systemd.py). The driver frees a dead process's; the simulated GPUs' next
+    reader (a stand-in starting, `gpusupctl gpus`) drops them as it drops dead holdings."""
+    sim = SimulatedGpus.create(tmp_path / "simgpu", 1, total_mib=1000, reserved_mib=0)
+    server = subprocess.Popen(["sleep", "30"])
+    try:
+        sim.hold([0], 600, pid=server.pid)
+        ckpt = SimulatedCheckpointer(sim)
+        ckpt.lock(server.pid, 1000)
+        ckpt.checkpoint(server.pid)
+        sim.holders()
+        parked = list((sim.directory / "holders").rglob(".parked.*"))
+        assert [p.name for p in parked] == [f".parked.{server.pid}.json"], "alive and parked: kept"
+    finally:
+        server.kill()
+        server.wait()
+    assert sim.holders() == [] and not parked[0].exists(), "its process is gone: so is its host copy"
+
+
 def test_without_driver_api_or_utility_parking_says_why_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     from supervisord_gpu.parking import open_checkpointer
 
@@ -376,6 +461,31 @@ def test_the_next_profiles_takeover_leaves_a_parked_instance_alone_unless_it_hol
     assert in_the_way() == ["alpha"], "parked on a port beta needs: still in the way"
     parked.remove(cfg.runtime_dir, "alpha")
     assert in_the_way() == ["alpha"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the runtime directory must be root's (config/trust.py)")
+def test_a_parked_record_whose_daemon_died_is_believed_by_nobody(tmp_path: Any) -> None:
+    """Under systemd a parked daemon SIGKILLed leaves its record (no clean-up runs) while its
+    processes die with it (BindsTo=). Believed, `gpusupctl switch` to it asked the dead daemon
+    to restore (seen in tests/test_parking_systemd.py) instead of starting it, and a takeover
+    passed it by. A record is believed only while the daemon that wrote it lives."""
+    import json
+
+    from supervisord_gpu.controller import parked
+    from supervisord_gpu.controller.registry import write_record
+    from supervisord_gpu.parking.decisions import ParkedProfile
+
+    cfg, _beta, pa, _pb = two_profiles(tmp_path)
+    parked.write(cfg.runtime_dir, ParkedProfile("alpha", "fake", [], 0, 0.0, ports=[pa]))
+    assert parked.parked(cfg.runtime_dir) == {"alpha": [pa]}, "written by a daemon alive: parked"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    data = json.loads((cfg.runtime_dir / "parked" / "alpha.json").read_text())
+    write_record(cfg.runtime_dir / "parked", "alpha", {**data, "daemon": {**data["daemon"], "pid": gone.pid}})
+    assert parked.parked(cfg.runtime_dir) == {}, "its daemon is gone: nothing is parked"
+    del data["daemon"]
+    write_record(cfg.runtime_dir / "parked", "alpha", data)
+    assert parked.parked(cfg.runtime_dir) == {}, "a record naming no daemon is nobody's"
 
 
 class FakeLibcuda:

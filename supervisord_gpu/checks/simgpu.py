@@ -178,7 +178,8 @@ def _holdings_in(directory: str, owner: int, boot: float | None) -> list[SimHold
         return found
     for entry in entries:
         if entry.name.startswith("."):
-            continue  # a holding being written (_atomic_write's temporary), not a holding yet
+            _drop_if_dead_parked(entry, owner, boot)
+            continue  # a holding being written (_atomic_write's temporary), not a holding yet; or parked
         parsed = _parse_holding(entry.path, owner)
         if parsed is None or entry.name != f"{parsed[0].pid}.json":
             continue  # not a holding: a FIFO, a directory, garbage, someone else's file
@@ -192,6 +193,21 @@ def _holdings_in(directory: str, owner: int, boot: float | None) -> list[SimHold
             except OSError:
                 pass
     return found
+
+
+def _drop_if_dead_parked(entry: os.DirEntry[str], owner: int, boot: float | None) -> None:
+    """A parked holding (parking/simulated.py: the simulated host copy) of a process that is gone
+    is removed, where we may, as a dead holding is: the driver frees a dead process's host copy.
+    A parked daemon SIGKILLed under systemd takes its processes with it and forgets nothing."""
+    if not entry.name.startswith(".parked."):
+        return
+    parsed = _parse_holding(entry.path, owner)
+    if parsed is None or entry.name != f".parked.{parsed[0].pid}.json" or _alive(parsed[0].pid, parsed[1], boot):
+        return
+    try:
+        os.unlink(entry.path)
+    except OSError:
+        pass
 
 
 def _speaks_for(owner: int, pid: int) -> bool:

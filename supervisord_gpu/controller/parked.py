@@ -6,15 +6,26 @@ not stop it for its GPUs (only for a port, which parking refuses beforehand). Be
 the registry's records are: in a root-owned directory nobody else can write, a regular file of
 root's, never through a symlink (config/trust.py), and only for an instance the registry or
 systemd says runs. Anything else is ignored: the instance is then stopped as any other.
+
+A record is also only as alive as the daemon that wrote it: it names that daemon (PID, start
+time, uid, cgroup: the registry's Record.alive check), and a record whose writer is gone is
+stale. A parked daemon SIGKILLed leaves its record (nothing runs its clean-up), and its
+processes die with it (BindsTo=); until its next life removes the record at start (or forever,
+after a final failure), `gpusupctl switch` to it would have asked a daemon that is not there to
+restore what no longer exists, instead of starting it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import psutil
+
+from ..checks.holders import read_cgroup
 from ..config.trust import read_trusted, secure_directory
-from .registry import write_record
+from .registry import Record, write_record
 from ..parking.decisions import ParkedProfile
 
 
@@ -24,7 +35,18 @@ def _dir(runtime: Path) -> Path:
 
 
 def write(runtime: Path, record: ParkedProfile) -> None:
-    write_record(_dir(runtime), record.instance, record.to_json())
+    """The record, signed by the daemon writing it (this process): believed while it lives."""
+    me = psutil.Process()
+    daemon = {"pid": me.pid, "create_time": me.create_time(), "uid": os.geteuid(), "cgroup": read_cgroup(me.pid) or ""}
+    write_record(_dir(runtime), record.instance, {**record.to_json(), "daemon": daemon})
+
+
+def _writer_alive(instance: str, daemon: dict[str, object]) -> bool:
+    """Is the daemon that wrote the record still that very process (registry.Record.alive)?"""
+    pid, began, uid, cgroup = daemon["pid"], daemon["create_time"], daemon["uid"], daemon["cgroup"]
+    if type(pid) is not int or type(uid) is not int or type(began) not in (int, float) or type(cgroup) is not str:
+        return False
+    return Record(instance, pid, float(began), "", [], [], "", uid, cgroup).alive()  # type: ignore[arg-type]
 
 
 def remove(runtime: Path, instance: str) -> None:
@@ -35,7 +57,8 @@ def remove(runtime: Path, instance: str) -> None:
 
 
 def parked(runtime: Path) -> dict[str, list[int]]:
-    """Parked instance -> the ports it keeps listening on; records that do not parse are ignored."""
+    """Parked instance -> the ports it keeps listening on; records that do not parse, and those
+    whose daemon is gone, are ignored."""
     try:
         d = _dir(runtime)
     except OSError:
@@ -47,7 +70,9 @@ def parked(runtime: Path) -> dict[str, list[int]]:
             ports = data["ports"]
             if data["instance"] != path.stem or not all(type(p) is int for p in ports):
                 continue
-        except (OSError, ValueError, TypeError, KeyError):
+            if not _writer_alive(path.stem, data["daemon"]):
+                continue
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
             continue
         out[path.stem] = list(ports)
     return out

@@ -230,8 +230,8 @@ class Parker:
         await instance.stop(reason)
         forget = getattr(self.checkpointer, "forget", None)
         for pid in record.pids:
-            if forget is not None:
-                forget(pid)
+            if forget is not None:  # off the loop: the simulated one runs `rm` as the holding's user
+                await asyncio.to_thread(forget, pid)
 
 
 def _ports(profile: Profile) -> set[int]:

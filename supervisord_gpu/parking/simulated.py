@@ -11,6 +11,12 @@ Nothing is signalled: the driver's lock blocks the process's CUDA calls, not the
 its front end goes on answering; the stand-in's front end does the same. What differs: the real
 server's request waits while parked, the stand-in's is answered.
 
+The holding lies in its user's own directory (holders/<uid>/, writable by that user alone), so
+the renames and the removal run as that user, in a process of its own (`_as_owner`), never as
+root: the daemon under its unit has no CAP_DAC_OVERRIDE or CAP_FOWNER (units/dsv4@.service:
+root never writes inside a directory of the servers' user), and a park of the shipped profiles
+(servers as `sglang`) failed there with "Permission denied" until it did.
+
 The state lives in the files, not in this object: a parked holding says CHECKPOINTED to any
 reader (`gpusupctl status`, the daemon after a restart of its own); only LOCKED, which lasts
 between two calls of one park, is kept here.
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 from ..checks.simgpu import SimulatedGpus, _holdings_dir_owner, _parse_holding
@@ -27,6 +34,38 @@ from ..ownership.procfs import real_uid
 from .checkpointer import CheckpointError, CheckpointState
 
 MIB = 1 << 20
+#: coreutils (essential in Debian): every user can run them, wherever our interpreter lives
+MV, RM = "/usr/bin/mv", "/usr/bin/rm"
+AS_OWNER_TIMEOUT_S = 10.0
+
+
+def _as_owner(path: Path, argv: list[str]) -> str:
+    """Run `argv` (mv or rm on names in `path`'s directory) as that directory's owner; "" when it
+    exited 0, else why not. Root's own directory is written directly by the caller."""
+    try:
+        st = os.lstat(path.parent)
+        done = subprocess.run(argv, user=st.st_uid, group=st.st_gid, extra_groups=[], cwd="/",
+                              env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"}, stdin=subprocess.DEVNULL,
+                              capture_output=True, timeout=AS_OWNER_TIMEOUT_S, check=False)
+    except (OSError, subprocess.SubprocessError) as e:
+        return str(e)
+    if done.returncode == 0:
+        return ""
+    return (done.stderr.decode(errors="replace").strip().splitlines() or [f"exit {done.returncode}"])[-1][:200]
+
+
+def _rename(src: Path, dst: Path) -> None:
+    """src -> dst in one holders directory, as its owner; CheckpointError naming the files if not."""
+    try:
+        owner = os.lstat(src.parent).st_uid
+        if owner == os.geteuid():
+            os.rename(src, dst)
+            return
+    except OSError as e:
+        raise CheckpointError(f"{src} -> {dst.name}: {e.strerror}") from None
+    why = _as_owner(src, [MV, "-T", "--", str(src), str(dst)])
+    if why or not os.path.lexists(dst):
+        raise CheckpointError(f"{src} -> {dst.name} as uid {owner}: {why or 'not moved'}")
 
 
 class SimulatedCheckpointer:
@@ -35,6 +74,9 @@ class SimulatedCheckpointer:
     def __init__(self, sim: SimulatedGpus) -> None:
         self.sim = sim
         self._locked: set[int] = set()
+        #: where each PID's parked holding was put: `forget` comes after its process ended, when
+        #: its uid (which names the directory to look in) can no longer be read
+        self._parked: dict[int, Path] = {}
 
     def _holders_dirs(self, pid: int) -> list[Path]:
         """The directories that may speak for `pid` (checks/simgpu.py's rule): holders/ is 1777,
@@ -78,7 +120,8 @@ class SimulatedCheckpointer:
         path = self._find(pid, parked=False)
         if path is None:
             raise CheckpointError(f"checkpoint(pid {pid}) failed: its holding is gone")
-        os.rename(path, path.with_name(f".parked.{pid}.json"))
+        _rename(path, path.with_name(f".parked.{pid}.json"))
+        self._parked[pid] = path.with_name(f".parked.{pid}.json")
 
     def restore(self, pid: int) -> None:
         path = self._find(pid, parked=True)
@@ -95,7 +138,8 @@ class SimulatedCheckpointer:
             if d is None or d.total_mib - d.reserved_mib - used < holding.mib:
                 raise CheckpointError(f"restore(pid {pid}) failed: CUDA_ERROR_OUT_OF_MEMORY (simulated GPU {g} "
                                       f"has no room for its {holding.mib} MiB)")
-        os.rename(path, path.with_name(f"{pid}.json"))
+        _rename(path, path.with_name(f"{pid}.json"))
+        self._parked.pop(pid, None)
 
     def unlock(self, pid: int) -> None:
         if self._find(pid, parked=True) is not None:
@@ -115,9 +159,14 @@ class SimulatedCheckpointer:
     def forget(self, pid: int) -> None:
         """A parked process that ended: its parked holding removed (the driver frees a dead
         process's host copy the same way), so a stop leaves nothing behind."""
-        path = self._find(pid, parked=True)
-        if path is not None:
-            try:
+        path = self._find(pid, parked=True) or self._parked.get(pid)
+        self._parked.pop(pid, None)
+        if path is None:
+            return
+        try:
+            if os.lstat(path.parent).st_uid == os.geteuid():
                 path.unlink()
-            except OSError:
-                pass
+                return
+        except OSError:
+            return
+        _as_owner(path, [RM, "-f", "--", str(path)])
