@@ -63,15 +63,17 @@ def programs_for(cfg: DaemonConfig) -> Programs:
 
 def parker_for(cfg: DaemonConfig, backends: Backends, inventory: Any,
                say: Callable[[str, int, str], None]) -> tuple[Any, str]:
-    """The Parker on this machine's mechanism (parking.open_checkpointer: the simulated GPUs' in a
-    rehearsal, else the CUDA driver API, else cuda-checkpoint), or None and the one line why not."""
+    """The Parker on this machine's mechanism (parking.open_checkpointer: the simulated GPUs' where
+    the GPUs are simulated, a rehearsal or `gpus.backend = "simulated"` as inventory_for reads them;
+    else the CUDA driver API, else cuda-checkpoint), or None and the one line why not."""
     from .checks.gpus import simgpu_dir
     from .controller.parking import Parker
     from .parking import open_checkpointer
     from .parking.checkpointer import CheckpointUnavailable
 
+    simulated = backends.rehearsal or cfg.gpus.backend == "simulated"
     try:
-        checkpointer = open_checkpointer(str(simgpu_dir(cfg)) if backends.rehearsal else None)
+        checkpointer = open_checkpointer(str(simgpu_dir(cfg)) if simulated else None)
     except CheckpointUnavailable as e:
         return None, str(e)
     return Parker(checkpointer, inventory, lambda message, priority: say(message, priority, "park")), ""

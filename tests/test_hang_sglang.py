@@ -196,3 +196,40 @@ def test_busy_servers_are_left_alone_paused_slowed_long_requests_and_a_stall_tha
     seen = asyncio.run(go())
     assert seen == {"paused": 503, "slow_load_done": True, "long_done": True, "health_in_stall": 503, "latched": 503}, seen
     assert proc.restarts_total == 0 and not journal.of("hang"), journal.of("hang")
+
+
+def test_one_scheduler_rank_of_a_tp2_server_stopped_kills_the_whole_server_its_peer_rank_included(tmp_path, cgroups):
+    """Issue 40's hung collective: rank 1 of a TP2 server SIGSTOPped while rank 0 waits for it in a
+    collective. Every process still looks alive, and the peer's state says nothing (on a GPU it
+    spins in NCCL); the stopped rank alone is the evidence, and the kill takes the whole server:
+    both ranks, the front end, the detokenizer, and what they held on both GPUs."""
+    from support import alive, sim_holders
+
+    (port,) = free_ports(1)
+    tp2 = profile(port).replace("gpus = [0]", "gpus = [0, 1]").replace(
+        "enable-metrics = true", "enable-metrics = true\n        tp-size = 2")
+    cdir = write_config(tmp_path, {"p": tp2}, cgroups.root, startup=0.3)
+    instance, _ = make_instance(cdir, "p")
+    proc = instance.processes["server"]
+
+    async def go() -> tuple[float, str, list[int], list[int], list[int]]:
+        await instance.start()
+        pid = proc.pid
+        ranks = (await asyncio.to_thread(server_info, port))["scheduler_pids"][:2]
+        old = proc.spawned.group.pids()
+        stop_process(ranks[1])
+        began = time.monotonic()
+        await _until(lambda: proc.pid != pid or proc.exit_code is not None, 60)
+        took = time.monotonic() - began
+        await _until(lambda: proc.state == State.READY, 60)
+        new = proc.spawned.group.pids()
+        why = proc.last_exit
+        await instance.stop()
+        return took, why, ranks, old, new
+
+    took, why, ranks, old, new = asyncio.run(go())
+    assert took <= proc.spec.probe.hang_bound_s, f"killed {took:.1f} s after the stop"
+    assert "hung: its scheduler" in why and f"pid {ranks[1]}" in why, why
+    assert len(old) == 4 and not [p for p in old if alive(p)], "both ranks, the front end and the detokenizer end"
+    assert len(new) == 4 and not set(new) & set(old), "restarted whole: two new ranks"
+    assert not set(sim_holders(tmp_path)) & set(old)

@@ -556,3 +556,17 @@ def test_driver_api_calls_in_the_drivers_order_with_null_args_and_names_its_erro
     lib.state = 7
     with pytest.raises(CheckpointError, match="answered 7, a state this supervisor does not know"):
         d.state(42)
+
+
+def test_a_daemon_on_simulated_gpus_parks_them_with_the_simulated_checkpointer_outside_a_rehearsal(tmp_path: Any) -> None:
+    """`gpus.backend = "simulated"` without rehearsal (the device scripts' stand-in runs, which keep the
+    profile's own router): the inventory reads the simulated GPUs, so the park must move their memory,
+    not call a CUDA driver that holds none of it."""
+    from supervisord_gpu import daemon as D
+    from supervisord_gpu.checks.gpus import inventory_for
+
+    cfg, _, _, _ = two_profiles(tmp_path)
+    backends = D.backends_for(cfg)
+    assert not backends.rehearsal
+    parker, why = D.parker_for(cfg, backends, inventory_for(cfg, simulated=False), lambda *a: None)
+    assert why == "" and parker is not None and parker.checkpointer.name == "simulated"

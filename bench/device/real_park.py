@@ -94,6 +94,20 @@ def rss(pid: int) -> int:
         return 0
 
 
+def control_job(d: R.Daemon, timeout: float, **req: Any) -> dict[str, Any]:
+    """A control job through the daemon's socket (what D-Bus Park/Restore + GetJob would be), to its end."""
+    started = d.ctl(**req)
+    if "job" not in started:
+        return {"state": "not accepted", "reason": started}
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        j = d.ctl(op="job", id=started["job"])
+        if j.get("state") != "running":
+            return j
+        time.sleep(0.2)
+    return {"state": "timed out", "reason": f"{timeout:g} s"}
+
+
 class Park:
     """One run: the Run of real_sglang.py, the instances built here, one Parker."""
 
@@ -283,17 +297,7 @@ class Park:
         m["solo_stop_s"] = round(time.time() - t, 2)
 
     def job(self, d: R.Daemon, timeout: float, **req: Any) -> dict[str, Any]:
-        """A control job through the daemon's socket (what D-Bus Park/Restore + GetJob would be), to its end."""
-        started = d.ctl(**req)
-        if "job" not in started:
-            return {"state": "not accepted", "reason": started}
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            j = d.ctl(op="job", id=started["job"])
-            if j.get("state") != "running":
-                return j
-            time.sleep(0.2)
-        return {"state": "timed out", "reason": f"{timeout:g} s"}
+        return control_job(d, timeout, **req)
 
     def p6_daemon(self, c: R.Check, m: dict[str, Any]) -> None:
         """The cycle through two daemons (the device machine has no D-Bus: the control socket

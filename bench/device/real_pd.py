@@ -80,6 +80,7 @@ ROUTER_MODULES = {"sglang-router": "sglang_router.launch_router", "smg": "smg.la
                   "standin": "supervisord_gpu.rehearsal.standin_router"}
 ROUTER_SITES = {"sglang-router": "router-site", "smg": "smg-site"}
 PD_STOP_ORDER = ["router", "decode", "prefill"]
+BAD_ENV = {"SUPERVISORD_GPU_STANDIN_FAULT": "crash-on-start"}  # the stand-in's failure after its spawn
 LONG_TOKENS = 1500  # real tiny model: ~3 ms a token; stand-in: SUPERVISORD_GPU_STANDIN_TOKEN_S x this
 
 
@@ -166,7 +167,7 @@ class PdRun(R.Run):
         self.write_config()
         s["layout"] = self.layout
         s["setup_s"] = round(time.time() - began, 1)
-        self.gpu = R.Gpu(self.mode, self.work / "simgpu")
+        self.gpu = self.make_gpu()
         if self.mode == "standin":
             from supervisord_gpu.checks.gpus import inventory_for
             from supervisord_gpu.config.loader import load_daemon_config
@@ -178,6 +179,10 @@ class PdRun(R.Run):
         s["baseline_used_mib"], s["baseline_holders"] = used, pids
         self.shm_before = R.shm_names()
         self.gpu.start()
+
+    def make_gpu(self) -> R.Gpu:
+        """The independent GPU reader (real_multi.py reads every GPU of its group)."""
+        return R.Gpu(self.mode, self.work / "simgpu")
 
     def router_version(self) -> str | None:
         if self.router == "standin":
@@ -236,6 +241,10 @@ backend = "{'nvml' if self.mode == 'real' else 'simulated'}"
 idle_tolerance_mib = {R.IDLE_TOLERANCE_MIB}
 wait_idle_timeout = 60
 """
+        self.write_profiles()
+
+    def write_profiles(self) -> None:
+        """pd1, tp1, tp1bad (real_multi.py writes its own), each loaded by this code before the run."""
         profiles = self.profiles(gpus_decode=0)
         self.write_all(profiles, gpu_count=1)
         why = self.refused("pd1")
@@ -245,8 +254,12 @@ wait_idle_timeout = 60
             profiles = self.profiles(gpus_decode=1)
             self.write_all(profiles, gpu_count=2)
             why = self.refused("pd1")
+        self.check_profiles(profiles, why, "pd1")
+
+    def check_profiles(self, profiles: dict[str, str], why: str, first: str) -> None:
+        """Every profile loads (`why`: the first one's refusal, already read), else RuntimeError."""
         for name in profiles:
-            if name != "pd1" and (w := self.refused(name)):
+            if name != first and (w := self.refused(name)):
                 why = (why + "; " if why else "") + w
         if why:
             raise RuntimeError(f"the profiles do not load: {why}")
@@ -294,18 +307,14 @@ simgpu_dir = "{self.work / 'simgpu'}"
             router = {"PYTHONPATH": str(self.code)} if self.router == "standin" else {}
         return {**server, **common, "SGLANG_HEALTH_CHECK_TIMEOUT": str(R.HEALTH_CHECK_TIMEOUT)}, {**router, **common}
 
-    def profiles(self, gpus_decode: int) -> dict[str, str]:
-        server_env, router_env = self.envs()
-
-        def env_table(key: str, env: dict[str, str]) -> str:
-            return f"[{key}.env]\n" + "".join(f'{k} = "{v}"\n' for k, v in env.items())
-
-        def server(name: str, port: int, mem: float, gpu: int, role: str = "", shared: bool = False,
-                   model: Path | None = None, extra_options: str = "", extra_env: dict[str, str] | None = None) -> str:
-            return f"""
+    def server_toml(self, name: str, port: int, mem: float, gpus: list[int], role: str = "", shared: bool = False,
+                    model: Path | None = None, extra_options: str = "", extra_env: dict[str, str] | None = None) -> str:
+        """One [servers.NAME] table: the tiny model (dummy weights, triton), on `gpus`."""
+        server_env, _ = self.envs()
+        return f"""
 [servers.{name}]
 {f'role = "{role}"' if role else ''}
-gpus = [{gpu}]
+gpus = [{", ".join(map(str, gpus))}]
 {'share_gpus = true' if shared else ''}
 host = "127.0.0.1"
 port = {port}
@@ -321,14 +330,18 @@ mem-fraction-static = {mem}
 disable-radix-cache = true
 {extra_options}""" + env_table(f"servers.{name}", {**server_env, **(extra_env or {})})
 
-        shared = gpus_decode == 0
-        pd = ('description = "real PD on one GPU: prefill + decode, mooncake over TCP, router in PD mode (issue 36)"\n'
-              'takeover = true\nrollback = true\nstop_order = ["router", "decode", "prefill"]\n'
-              + server("prefill", PREFILL_PORT, 0.2, 0, "prefill", shared,
-                       extra_options=f'disaggregation-bootstrap-port = {BOOTSTRAP_PORT}\ndisaggregation-transfer-backend = "mooncake"\n')
-              + server("decode", DECODE_PORT, 0.2, gpus_decode, "decode", shared,
-                       extra_options='disaggregation-transfer-backend = "mooncake"\n')
-              + f"""
+    def pd_toml(self, description: str, prefill_gpus: list[int], decode_gpus: list[int], shared: bool, mem: float,
+                extra_options: str = "") -> str:
+        """A PD profile: prefill + decode (mooncake), the router in PD mode on ROUTER_PORT; stop order router, decode, prefill."""
+        _, router_env = self.envs()
+        return (f'description = "{description}"\n'
+                'takeover = true\nrollback = true\nstop_order = ["router", "decode", "prefill"]\n'
+                + self.server_toml("prefill", PREFILL_PORT, mem, prefill_gpus, "prefill", shared,
+                                   extra_options=f'disaggregation-bootstrap-port = {BOOTSTRAP_PORT}\n'
+                                                 f'disaggregation-transfer-backend = "mooncake"\n{extra_options}')
+                + self.server_toml("decode", DECODE_PORT, mem, decode_gpus, "decode", shared,
+                                   extra_options=f'disaggregation-transfer-backend = "mooncake"\n{extra_options}')
+                + f"""
 [router]
 mode = "pd"
 host = "127.0.0.1"
@@ -341,12 +354,20 @@ policy = "round_robin"
 prometheus-host = "127.0.0.1"
 prometheus-port = {METRICS_PORT}
 """ + env_table("router", router_env))
+
+    def profiles(self, gpus_decode: int) -> dict[str, str]:
+        shared = gpus_decode == 0
+        pd = self.pd_toml("real PD on one GPU: prefill + decode, mooncake over TCP, router in PD mode (issue 36)",
+                          [0], [gpus_decode], shared, 0.2)
         tp1 = ('description = "one server on GPU 0, on the router\'s port (issue 36)"\ntakeover = true\nrollback = true\n'
-               + server("server", TP1_PORT, 0.5, 0))
+               + self.server_toml("server", TP1_PORT, 0.5, [0]))
         bad = ('description = "tp1 whose server fails after its spawn (issue 36: the rollback)"\ntakeover = true\nrollback = true\n'
-               + server("server", TP1_PORT, 0.5, 0, model=self.bad_model,
-                        extra_env={"SUPERVISORD_GPU_STANDIN_FAULT": "crash-on-start"}))
+               + self.server_toml("server", TP1_PORT, 0.5, [0], model=self.bad_model, extra_env=BAD_ENV))
         return {"pd1": pd, "tp1": tp1, "tp1bad": bad}
+
+
+def env_table(key: str, env: dict[str, str]) -> str:
+    return f"[{key}.env]\n" + "".join(f'{k} = "{v}"\n' for k, v in env.items())
 
 
 # ============================================================================ scenario helpers
@@ -491,10 +512,10 @@ def takeover(run: PdRun, c: R.Check, m: dict[str, Any], old: R.Daemon, profile: 
 
 # ============================================================================ scenarios
 
-def p1_start(run: PdRun, c: R.Check, m: dict[str, Any], d: R.Daemon) -> None:
+def p1_start(run: PdRun, c: R.Check, m: dict[str, Any], d: R.Daemon, instance: str = "pd1") -> None:
     m["ready_s"] = wait_ready(run, d, 400)
-    c("pd1 READY", True, f"{m['ready_s']} s after the daemon's start")
-    status, workers = router_workers(run, "pd1")
+    c(f"{instance} READY", True, f"{m['ready_s']} s after the daemon's start")
+    status, workers = router_workers(run, instance)
     m["workers_at_ready"] = workers
     healthy = {w["type"] for w in workers if w["healthy"] is not False}
     c("at READY the router lists a prefill and a decode, healthy", {"prefill", "decode"} <= healthy, {"status": status, "workers": workers})
@@ -520,35 +541,38 @@ def p2_generate(run: PdRun, c: R.Check, m: dict[str, Any]) -> None:
     c("a direct /generate to the decode is refused (no bootstrap room)", status != 200 and b"bootstrap room" in body, m["direct_to_decode"])
 
 
-def p5_rollback(run: PdRun, c: R.Check, m: dict[str, Any], d: R.Daemon) -> R.Daemon:
+def p5_rollback(run: PdRun, c: R.Check, m: dict[str, Any], d: R.Daemon, bad_profile: str = "tp1bad",
+                pd: str = "pd1", tag: str = "p5") -> R.Daemon:
+    """`bad_profile` takes `pd` over and fails after its spawn: exit 5 naming the rollback; `pd` started again."""
     since = time.time()
-    bad = R.Daemon(run, "tp1bad", "p5-tp1bad")
+    bad = R.Daemon(run, bad_profile, f"{tag}-{bad_profile}")
     try:
         rc = bad.proc.wait(max(30.0, min(300.0, run.left() - 60)))
     except subprocess.TimeoutExpired:
         bad.stop(30)
-        raise AssertionError("tp1bad's daemon did not give up within 300 s") from None
-    m["tp1bad_exit"] = rc
-    m["tp1bad_s"] = round(time.time() - since, 1)
+        raise AssertionError(f"{bad_profile}'s daemon did not give up within 300 s") from None
+    m[f"{bad_profile}_exit"] = rc
+    m[f"{bad_profile}_s"] = round(time.time() - since, 1)
     reason = [e["msg"] for e in bad.find(lambda e: e["k"] == "ev" and e["kind"] == "instance" and e["state"] == "failed")]
-    m["tp1bad_reason"] = reason[-1][:600] if reason else None
-    c("tp1bad's daemon exits 5 (a takeover that failed)", rc == 5, rc)
-    c("its reason names the rollback of pd1", bool(reason) and "pd1" in reason[-1] and "roll" in reason[-1], m["tp1bad_reason"])
-    c("pd1's daemon had stopped (taken over) and exited 0", d.proc.poll() == 0, d.proc.poll())
-    m["pd1_stops"] = stop_timeline(d, since, PD_STOP_ORDER)
+    m[f"{bad_profile}_reason"] = reason[-1][:600] if reason else None
+    c(f"{bad_profile}'s daemon exits 5 (a takeover that failed)", rc == 5, rc)
+    c(f"its reason names the rollback of {pd}", bool(reason) and pd in reason[-1] and "roll" in reason[-1],
+      m[f"{bad_profile}_reason"])
+    c(f"{pd}'s daemon had stopped (taken over) and exited 0", d.proc.poll() == 0, d.proc.poll())
+    m[f"{pd}_stops"] = stop_timeline(d, since, PD_STOP_ORDER)
     # no systemd here: what its StartUnit would do (the rollback's own attempt says it was not run by systemd)
-    again = R.Daemon(run, "pd1", "p5-pd1-again")
-    m["pd1_ready_again_s"] = wait_ready(run, again, 300)
-    c("pd1 READY again", True, f"{m['pd1_ready_again_s']} s")
-    serves(c, m, "pd1 after the rollback")
+    again = R.Daemon(run, pd, f"{tag}-{pd}-again")
+    m[f"{pd}_ready_again_s"] = wait_ready(run, again, 300)
+    c(f"{pd} READY again", True, f"{m[f'{pd}_ready_again_s']} s")
+    serves(c, m, f"{pd} after the rollback")
     return again
 
 
-def p6_stop(run: PdRun, c: R.Check, m: dict[str, Any], d: R.Daemon, in_flight: int) -> None:
+def p6_stop(run: PdRun, c: R.Check, m: dict[str, Any], d: R.Daemon, in_flight: int, instance: str = "pd1") -> None:
     clients = Clients(in_flight)
     time.sleep(0.5)
     since = time.time()
-    run.idle_after_stop(c, m, d, "pd1", PD_STOP_ORDER)
+    run.idle_after_stop(c, m, d, instance, PD_STOP_ORDER)
     tl = stop_timeline(d, since, PD_STOP_ORDER)
     m["stops"] = tl
     c("stopped in order: router -> decode -> prefill", in_order(tl, PD_STOP_ORDER), tl)
@@ -597,11 +621,12 @@ def group(run: PdRun) -> None:
                      lambda c, m: run.idle_after_stop(c, m, live, live.profile, ["server"]))
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def cmd_run(args: argparse.Namespace, make_run: Any = PdRun, run_group: Any = None) -> int:
+    """Set up `make_run(args)` and run `run_group` (this file's group) on it; exit 0 when every scenario passed."""
     if args.mode == "real" and args.router == "standin":
         print("--router standin is for --mode standin only", file=sys.stderr)
         return 2
-    run = PdRun(args)
+    run = make_run(args)
     try:
         run.setup()
     except Exception as e:
@@ -611,14 +636,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     print(f"set-up: {json.dumps({k: v for k, v in run.results['setup'].items() if k not in ('config', 'profiles')}, default=str)}", flush=True)
     try:
-        group(run)
+        (run_group or group)(run)
     finally:
         code = run.finish()
     return code
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parsers(description: str, start_estimate: float, always: str) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The command line (`unpack`, `run`) and its `run` subparser, to which real_multi.py adds its options."""
+    ap = argparse.ArgumentParser(description=description)
     sub = ap.add_subparsers(dest="command", required=True)
     u = sub.add_parser("unpack", help="extract the bundles present into /tmp/sgl/<name>/ (skips those there)")
     u.add_argument("--dest", default="/tmp/sgl")
@@ -628,15 +654,20 @@ def main() -> int:
     r.add_argument("--router", choices=tuple(ROUTER_MODULES), required=True)
     r.add_argument("--out", required=True)
     r.add_argument("--in-flight", type=int, default=8, help="long requests in flight during the switch and the stop")
-    r.add_argument("--start-estimate", type=float, default=60.0, help="seconds one server start may take (budget planning)")
+    r.add_argument("--start-estimate", type=float, default=start_estimate, help="seconds one server start may take (budget planning)")
     r.add_argument("--budget", type=float, default=570.0, help="seconds this run may take (the device allows 600 a command)")
     r.add_argument("--reserve", type=float, default=40.0, help="seconds kept for the final stop")
     r.add_argument("--unpack", default="/tmp/sgl", help="where `unpack` put the bundles and the model")
     r.add_argument("--work", default=None)
     r.add_argument("--python", default=None, help="the python of the daemon and the servers (default: this one)")
     r.add_argument("--only", type=lambda v: set(v.split(",")), default=set(),
-                   help="run only these scenarios (comma-separated keys; p1_start always runs)")
+                   help=f"run only these scenarios (comma-separated keys; {always})")
     r.add_argument("--standin-startup", type=float, default=3.0, help="the stand-in's loading time (seconds)")
+    return ap, r
+
+
+def main() -> int:
+    ap, _ = parsers(__doc__.split("\n\n")[0], 60.0, "p1_start always runs")
     args = ap.parse_args()
     if args.command == "unpack":
         return cmd_unpack(args)
