@@ -17,8 +17,10 @@ from supervisord_gpu.api.notify import status_text
 from supervisord_gpu.checks.gpus import SimulatedInventory
 from supervisord_gpu.checks.ports import check_ports
 from supervisord_gpu.checks.simgpu import SimulatedGpus
-from supervisord_gpu.controller.parking import Parker
+from supervisord_gpu.controller.parking import Parker, one_generation
 from supervisord_gpu.engine.states import InstanceState, ProcessState
+from supervisord_gpu.errors import ParkRefused
+from supervisord_gpu.parking.checkpointer import CheckpointError
 from supervisord_gpu.parking.decisions import GIB
 from supervisord_gpu.parking.simulated import SimulatedCheckpointer
 from support import free_ports, make_instance, sim_holders, write_config
@@ -153,3 +155,33 @@ def test_a_router_that_cannot_bind_its_port_again_at_the_restore_means_a_cold_st
     asyncio.run(go())
     assert "router, stopped while parked, does not start again" in said[-1], said[-1]
     assert said[-1].endswith("; starting it cold instead") and cgroups.all_pids() == []
+
+
+class FailingCheckpoint(SimulatedCheckpointer):
+    def checkpoint(self, pid: int) -> None:
+        raise CheckpointError(f"checkpoint of pid {pid} failed (the test's)")
+
+
+def test_a_park_that_fails_after_the_router_stopped_starts_it_again_and_serves(tmp_path, cgroups):
+    a, b, parker, _said, router_port = two_on_one_router_port(tmp_path, cgroups)
+    parker.checkpointer = FailingCheckpoint(SimulatedGpus(tmp_path / "simgpu"))
+    router = a.processes["router"]
+
+    async def go() -> None:
+        await a.start()
+        try:
+            router_pid = router.pid
+            try:
+                await parker.park(a, b.profile)
+            except ParkRefused as e:
+                assert "park of a failed and was undone: checkpoint of pid" in str(e)
+            else:
+                raise AssertionError("the park did not fail")
+            assert a.state == InstanceState.READY and router.state == ProcessState.READY
+            assert router.pid not in (None, router_pid), "the router the park stopped is started again"
+            assert await one_generation("127.0.0.1", router_port) == "", "serving through its router"
+        finally:
+            await a.stop()
+
+    asyncio.run(go())
+    assert cgroups.all_pids() == []
