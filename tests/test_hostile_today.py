@@ -155,7 +155,7 @@ def test_a_stranger_on_the_port_of_a_parked_front_end_does_not_prove_the_restore
     try:
         parker, _ckpt, inst, said = setup()
         inst.profile.processes = [SimpleNamespace(name="server", serves_http=True, kind="server",
-                                                  probe_host="127.0.0.1", port=stranger.port)]
+                                                  probe_host="127.0.0.1", port=stranger.port, listens=lambda: [])]
         run(parker.park(inst))
         cold: list[str] = []
 

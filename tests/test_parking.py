@@ -31,8 +31,12 @@ from supervisord_gpu.parking.decisions import (
     baseline_problems,
     find_targets,
     host_memory_refusal,
+    PortHolder,
+    PortsVerdict,
+    StoppedWhileParked,
     judge_restore,
     port_refusal,
+    ports_in_the_way,
 )
 from supervisord_gpu.parking.driver import DriverCheckpointer
 from supervisord_gpu.parking.fake import FakeCheckpointer
@@ -63,23 +67,42 @@ class FakeInventory(GpuInventory):
         return [gpu(i, {p: m for p, m in self.holders[i].items() if p not in parked}) for i in wanted]
 
 
-class FakeInstance:
-    """What the Parker asks of an Instance: its PIDs per process, park/resume/stop, its profile."""
+def fake_profile(name: str, ports: dict[str, tuple[str, list[int]]], gpus: list[int] | None = None) -> Any:
+    """A profile as the Parker reads it: process name -> (kind, every port it listens on)."""
+    specs = [SimpleNamespace(name=n, kind=kind, listens=lambda ps=ps: [SimpleNamespace(port=p) for p in ps])
+             for n, (kind, ps) in ports.items()]
+    return SimpleNamespace(name=name, gpus=gpus or [], processes=specs,
+                           listens=lambda: [listen for spec in specs for listen in spec.listens()])
 
-    def __init__(self, name: str, pids: dict[str, list[int]], gpus: list[int], ports: list[int]) -> None:
+
+class FakeInstance:
+    """What the Parker asks of an Instance: its PIDs per process, park/resume/stop, its profile.
+    `ports`: each process's kind and ports ({"server": ("server", [30000])} unless given)."""
+
+    def __init__(self, name: str, pids: dict[str, list[int]], gpus: list[int], ports: list[int],
+                 kinds: dict[str, tuple[str, list[int]]] | None = None) -> None:
         self.name = name
         self.processes = {n: SimpleNamespace(spawned=SimpleNamespace(group=SimpleNamespace(pids=lambda p=p: p)))
                           for n, p in pids.items()}
-        self.profile = SimpleNamespace(name=name, gpus=gpus, listens=lambda: [SimpleNamespace(port=p) for p in ports])
+        self.profile = fake_profile(name, kinds or {n: ("server", ports) for n in pids}, gpus)
         self.state = InstanceState.READY
         self.stopped = ""
+        #: what the park stopped (name -> why) and whether the resume started it again
+        self.stopped_while_parked: dict[str, str] = {}
+        self.start_again_fails = ""
 
-    async def park(self, suspend: Any) -> None:
+    async def park(self, suspend: Any, stop: Any = None) -> None:
+        self.stopped_while_parked = dict(stop or {})
         await suspend()
         self.state = InstanceState.PARKED
 
     async def resume(self, restore: Any, prove: Any = None) -> None:
+        from supervisord_gpu.errors import StartError
+
         await restore()
+        if self.stopped_while_parked and self.start_again_fails:
+            raise StartError(self.start_again_fails)
+        self.stopped_while_parked = {}
         if prove is not None:
             await prove()
         self.state = InstanceState.READY
@@ -128,6 +151,37 @@ def test_a_port_the_next_profile_needs_refuses_the_park() -> None:
     assert port_refusal("tp1", [30000], "pd", [31000]) == ""
 
 
+#: pd-1p1d's processes and ports as shipped (the prefill's bootstrap, the router's metrics included)
+PD = {"prefill": PortHolder("prefill", "server", (30100, 8998)), "decode": PortHolder("decode", "server", (30200,)),
+      "router": PortHolder("router", "router", (30001, 30091))}
+
+
+def test_a_router_on_a_port_the_next_profile_needs_is_stopped_while_parked_not_refused() -> None:
+    """The shipped pair: pd-1p1d and tp4-512k both front on 30001 (clients never change port)."""
+    verdict = ports_in_the_way("pd-1p1d", PD.values(), "tp4-512k", [30300, 30001, 30092])
+    assert verdict.refusal == ""
+    assert verdict.stop == (StoppedWhileParked("router", (30001,), "tp4-512k"),)
+    assert verdict.kept == (8998, 30100, 30200), "the router's metrics port goes with it; the servers' stay"
+    assert verdict.stop[0].why() == "stopped while parked: tp4-512k needs port 30001"
+    assert verdict.stop[0].describe() == "router stopped while parked (tp4-512k needs port 30001)"
+
+
+def test_a_router_in_the_way_by_its_metrics_port_alone_is_stopped_too() -> None:
+    verdict = ports_in_the_way("pd-1p1d", PD.values(), "other", [30091])
+    assert [s.process for s in verdict.stop] == ["router"] and verdict.stop[0].ports == (30091,)
+
+
+def test_a_server_on_a_port_the_next_profile_needs_refuses_naming_only_the_servers_ports() -> None:
+    verdict = ports_in_the_way("pd-1p1d", PD.values(), "x", [30001, 30200, 8998])
+    assert verdict.refusal == ("refusing to park pd-1p1d: x needs port(s) 8998,30200, which pd-1p1d keeps "
+                               "listening on while parked; stop it instead")
+
+
+def test_nothing_in_the_way_stops_nothing_and_keeps_every_port() -> None:
+    verdict = ports_in_the_way("pd-1p1d", PD.values(), "", [])
+    assert verdict == PortsVerdict((), (8998, 30001, 30091, 30100, 30200), "")
+
+
 def test_a_gpu_not_at_baseline_after_the_park_is_named_with_its_holders() -> None:
     problems = baseline_problems([gpu(0, {101: 4096}), gpu(1, {})], [101])
     assert problems == ["GPU 0 holds 4096 MiB after the park (pid 101 (parked))"]
@@ -138,6 +192,9 @@ def test_a_failed_restore_or_generation_means_a_cold_start_said_so() -> None:
     failed = judge_restore("tp1", "cuCheckpointProcessRestore(pid 101) failed: CUDA_ERROR_OUT_OF_MEMORY", "", 1.0)
     assert not failed.serve and "starting it cold" in failed.say and "OUT_OF_MEMORY" in failed.say
     assert not judge_restore("tp1", "", "/generate answered 503", 1.0).serve
+    router = judge_restore("tp1", "", "", 1.0, "router, stopped while parked, does not start again: exited")
+    assert not router.serve and router.say == ("tp1 restored but router, stopped while parked, does not start "
+                                               "again: exited; starting it cold instead")
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -235,6 +292,56 @@ def test_a_failed_restore_falls_back_to_a_cold_start(failing: str) -> None:
     verdict = run(parker.restore(inst, cold_start, serves))
     assert not verdict.serve and cold == ["stopped"]
     assert "starting it cold instead" in said[-1] and inst.stopped.startswith("restore failed")
+
+
+def routed_setup() -> tuple[Parker, FakeCheckpointer, FakeInstance, list[str]]:
+    """setup()'s server behind a router (pid 200, no GPU memory) on 30001, its metrics on 30091."""
+    parker, ckpt, _, said = setup()
+    inst = FakeInstance("pd", {"server": [100, 101], "router": [200]}, [0], [],
+                        {"server": ("server", [30000]), "router": ("router", [30001, 30091])})
+    return parker, ckpt, inst, said
+
+
+def test_park_stops_the_router_the_next_profile_needs_and_records_it_stopped_while_parked() -> None:
+    parker, ckpt, inst, said = routed_setup()
+    record = run(parker.park(inst, fake_profile("tp4", {"server": ("server", [30300]), "router": ("router", [30001])})))
+    assert inst.stopped_while_parked == {"router": "stopped while parked: tp4 needs port 30001"}
+    assert record.pids == [101] and ckpt.calls[:2] == [("lock", 101), ("checkpoint", 101)], "the router holds no GPU"
+    assert record.ports == [30000], "the ports it keeps listening on: what the next profile's takeover reads"
+    assert record.describe().endswith("; router stopped while parked (tp4 needs port 30001)")
+    assert record.to_json()["stopped"] == [{"process": "router", "ports": [30001], "needed_by": "tp4"}]
+    assert "router stopped while parked" in said[-1]
+
+
+def test_park_for_a_profile_on_other_ports_stops_nothing() -> None:
+    parker, _, inst, _ = routed_setup()
+    record = run(parker.park(inst, fake_profile("b", {"server": ("server", [31000])})))
+    assert inst.stopped_while_parked == {} and record.ports == [30000, 30001, 30091] and record.stopped == []
+
+
+def test_park_for_a_profile_on_a_servers_port_is_refused_touching_nothing() -> None:
+    parker, ckpt, inst, _ = routed_setup()
+    with pytest.raises(ParkRefused, match=r"tp4 needs port\(s\) 30000, which pd keeps listening on while parked"):
+        run(parker.park(inst, fake_profile("tp4", {"server": ("server", [30000]), "router": ("router", [30001])})))
+    assert ckpt.calls == [] and inst.state == InstanceState.READY and inst.stopped_while_parked == {}
+
+
+def test_a_router_that_does_not_start_again_at_the_restore_means_a_cold_start_said_so() -> None:
+    parker, ckpt, inst, said = routed_setup()
+    run(parker.park(inst, fake_profile("tp4", {"router": ("router", [30001])})))
+    inst.start_again_fails = "router, stopped while parked, does not start again: exited during start-up (exit code 1)"
+    cold: list[str] = []
+
+    async def cold_start() -> None:
+        cold.append(inst.state.value)
+
+    async def serves() -> str:
+        return ""
+
+    verdict = run(parker.restore(inst, cold_start, serves))
+    assert not verdict.serve and cold == ["stopped"] and ckpt.states[101] == CheckpointState.RUNNING
+    assert said[-1] == ("pd restored but router, stopped while parked, does not start again: exited during "
+                        "start-up (exit code 1); starting it cold instead")
 
 
 def test_stop_of_a_parked_profile_leaves_nothing() -> None:

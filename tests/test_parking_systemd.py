@@ -4,10 +4,10 @@ commands a user types: `systemctl start`, `gpusupctl switch --park`, `gpusupctl 
 
 One test, one container, one cold start of each profile where it can be helped: every step
 below is something only systemd can show (the unit's state and STATUS=, BindsTo= on a crash,
-the auto-restart), and each costs seconds. The profiles are the shipped pd-1p1d and tp4-512k
-with two changes: tp4-512k's router on 30002 (both ship on 30001, a port the next profile
-needs, which rightly refuses the park), and a small mem-fraction, so the stand-ins' simulated
-pools fit this host's memory (the park checks MemAvailable).
+the auto-restart), and each costs seconds. The profiles are the shipped pd-1p1d and tp4-512k,
+both fronted on 30001 (clients never change port): the park stops pd-1p1d's router for
+tp4-512k's and starts it again at the restore. One change: a small mem-fraction, so the
+stand-ins' simulated pools fit this host's memory (the park checks MemAvailable).
 """
 
 from __future__ import annotations
@@ -53,12 +53,10 @@ def parked_holdings(box) -> str:  # type: ignore[no-untyped-def]
 
 def test_a_parked_unit_stays_active_says_parked_comes_back_and_a_crash_or_stop_leaves_nothing(box):
     box.install(startup=0.5)  # the shipped unit: Restart=on-failure, RestartSec=10
-    for name, edit in ((PD, {}), (TP, {"port = 30001": "port = 30002"})):
-        text = box.read_file(f"{PROFILES}/{name}.toml").replace("mem-fraction-static = 0.85", "mem-fraction-static = 0.002")
-        for old, new in edit.items():
-            assert old in text
-            text = text.replace(old, new)
-        box.write_file(f"{PROFILES}/{name}.toml", text)
+    for name in (PD, TP):
+        text = box.read_file(f"{PROFILES}/{name}.toml")
+        assert "port = 30001" in text, f"{name} no longer ships its router on 30001: this test proves that pair parks"
+        box.write_file(f"{PROFILES}/{name}.toml", text.replace("mem-fraction-static = 0.85", "mem-fraction-static = 0.002"))
     box.systemctl("start", f"dsv4@{PD}", timeout=120)
     servers = {p.pid for p in of(box, PD) if p.comm.startswith("sglang::sched")}  # the CUDA processes a park checkpoints
 
@@ -75,6 +73,12 @@ def test_a_parked_unit_stays_active_says_parked_comes_back_and_a_crash_or_stop_l
     owners = gpu_owners(box)
     assert all(PD not in owners[g] for g in range(8)) and all(TP in owners[g] for g in range(4)), owners
     assert servers and servers <= {p.pid for p in of(box, PD)}, "the parked servers must live on"
+    # its router stopped for tp4-512k's (the same port): said so, not crashed; the port answers tp4-512k
+    assert "; router stopped while parked (tp4-512k needs port 30001)" in parked["StatusText"], parked
+    procs = next(i for i in json.loads(box.run([CTL, "status", "--json"]).stdout)["instances"]
+                 if i["unit"] == f"dsv4@{PD}.service")["daemon"]["processes"]
+    assert [(p["state"], p["pid"]) for p in procs if p["name"] == "router"] == [("stopped", None)], procs
+    assert box.run(["python3", "-c", GENERATE]).stdout.strip() == "200"
 
     # (b) switch back: the replacing unit stopped, the parked one restored warm and serving
     r = box.run([CTL, "switch", PD, "--wait"], check=False, timeout=180)

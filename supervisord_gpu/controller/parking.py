@@ -4,12 +4,15 @@ utility, the rehearsal's simulated one, or a fake).
 
     park      decide first, touching nothing: the CUDA processes of its cgroups (those the GPUs
               list), the host memory (MemAvailable vs the bytes + a margin), the ports the next
-              profile needs; then take it out of traffic and drain as a stop does, pause its
-              liveness, lock and checkpoint each PID, verify every GPU of the profile at its
-              baseline. Any failure brings it back (restore, unlock, liveness, traffic) and refuses.
-    restore   restore and unlock each PID, one generation answered, liveness and traffic back.
-              A restore that fails (a call, or the generation) stops the profile and starts it
-              cold, and says so.
+              profile needs (a server on one refuses; a router on one is to be stopped); then
+              take it out of traffic and drain as a stop does, stop the routers in the next
+              profile's way, pause its liveness, lock and checkpoint each PID, verify every GPU
+              of the profile at its baseline. Any failure brings it back (restore, unlock,
+              liveness, the routers started again, traffic) and refuses.
+    restore   restore and unlock each PID, liveness back, the routers stopped at the park
+              started again, traffic back, one generation answered. A restore that fails (a
+              call, a router that does not start, or the generation) stops the profile and
+              starts it cold, and says so.
     stop      a parked profile's stop ends its processes; the host copy goes with them (the
               driver frees a dead process's), and the simulated one's file is removed.
 
@@ -29,19 +32,21 @@ from ..config.model import ProcessSpec, Profile
 from ..engine.instance import Instance
 from ..engine.probe import PeerCheck, request, who_accepted
 from ..engine.traffic import ACCEPT_WAIT_S
-from ..errors import ParkRefused, PreconditionError, one_line
+from ..errors import ParkRefused, PreconditionError, StartError, one_line
 from ..parking import hostmem
 from ..parking.checkpointer import Checkpointer, CheckpointError, CheckpointState
 from ..parking.decisions import (
     ParkedProfile,
     ParkTarget,
+    PortHolder,
+    PortsVerdict,
     RestoreVerdict,
     baseline_problems,
     find_targets,
     host_memory_refusal,
     judge_restore,
     nothing_to_park_refusal,
-    port_refusal,
+    ports_in_the_way,
 )
 
 #: (message, syslog priority)
@@ -105,28 +110,30 @@ class Parker:
 
     # ------------------------------------------------------------------ deciding
 
-    async def plan(self, instance: Instance, next_profile: Profile | None = None) -> list[ParkTarget]:
-        """The PIDs to park, or ParkRefused with the one line; touches nothing."""
+    async def plan(self, instance: Instance, next_profile: Profile | None = None) -> tuple[list[ParkTarget], PortsVerdict]:
+        """The PIDs to park and the routers to stop while parked, or ParkRefused with the one
+        line; touches nothing."""
         profile = instance.profile
         pids = {name: (p.spawned.group.pids() if p.spawned is not None else []) for name, p in instance.processes.items()}
         states = await asyncio.to_thread(self.inventory.snapshot, sorted(profile.gpus))
         targets = find_targets(pids, states)
-        why = nothing_to_park_refusal(instance.name, targets)
-        if not why and next_profile is not None:
-            why = port_refusal(instance.name, _ports(profile), next_profile.name, _ports(next_profile))
+        holders = [PortHolder(p.name, p.kind, tuple(listen.port for listen in p.listens())) for p in profile.processes]
+        ports = ports_in_the_way(instance.name, holders, next_profile.name if next_profile else "",
+                                 _ports(next_profile) if next_profile else ())
+        why = nothing_to_park_refusal(instance.name, targets) or ports.refusal
         if not why:
             why = host_memory_refusal(instance.name, sum(t.gpu_bytes for t in targets), self.mem_available())
         if why:
             raise ParkRefused(why)
-        return targets
+        return targets, ports
 
     # ------------------------------------------------------------------ doing
 
     async def park(self, instance: Instance, next_profile: Profile | None = None) -> ParkedProfile:
-        targets = await self.plan(instance, next_profile)
+        targets, ports = await self.plan(instance, next_profile)
         began = time.monotonic()
         record = ParkedProfile(instance.name, self.checkpointer.name, targets, 0, time.time(),
-                               ports=sorted(_ports(instance.profile)))
+                               ports=list(ports.kept), stopped=list(ports.stop))
 
         async def suspend() -> str:
             done: list[int] = []
@@ -147,7 +154,7 @@ class Parker:
             record.took_s = time.monotonic() - began
             return record.describe()
 
-        await instance.park(suspend)
+        await instance.park(suspend, {s.process: s.why() for s in ports.stop})
         self.parked[instance.name] = record
         self.say(f"{instance.name} parked in {record.took_s:.2f} s: {record.describe()}; GPUs "
                  f"{sorted(instance.profile.gpus)} verified at their baseline", 6)
@@ -181,7 +188,7 @@ class Parker:
 
         assert serves is not None
         began = time.monotonic()
-        failure = {"restore": "", "serving": ""}
+        failure = {"restore": "", "serving": "", "start": ""}
 
         async def bring_back() -> None:
             try:
@@ -208,7 +215,10 @@ class Parker:
             await instance.resume(bring_back, prove)
         except CheckpointError:
             pass
-        verdict = judge_restore(instance.name, failure["restore"], failure["serving"], time.monotonic() - began)
+        except StartError as e:  # a router stopped at the park that does not start again
+            failure["start"] = one_line(str(e).splitlines()[0])
+        verdict = judge_restore(instance.name, failure["restore"], failure["serving"], time.monotonic() - began,
+                                failure["start"])
         del self.parked[instance.name]
         if verdict.serve:
             self.say(verdict.say, 6)

@@ -127,7 +127,8 @@ class LocalTransition:
         """The switch back to a parked profile (controller/parking.py): our instances on its GPUs
         or ports stopped, as a switch stops them, then its GPUs verified idle. Its ports are not
         waited for: its own front ends hold them, parked, and parking refused any profile that
-        needed them. A holder not ours is never stopped: the wait then times out and says who."""
+        needed them (a router it stopped instead binds its port again at the restore, and names
+        whoever holds it). A holder not ours is never stopped: the wait then times out and says who."""
         self.stopped = []
         conflicts = await asyncio.to_thread(takeover.find_conflicts, self.profile, self.cfg, self.units, self.registry)
         for c in conflicts:

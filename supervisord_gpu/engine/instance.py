@@ -19,7 +19,7 @@ from typing import Protocol
 from ..config.model import ProcessSpec, Profile
 from ..config.render import Launch
 from ..config.sharing import sharers, start_waits
-from ..errors import PreconditionError, StartError, SupervisorError
+from ..errors import PreconditionError, StartError, SupervisorError, one_line
 from ..ownership.base import OwnershipDriver
 from .events import Event, Listener, LogSink
 from .process import START_STALL_S, Again, ManagedProcess, ProcessStatus
@@ -107,6 +107,8 @@ class Instance:
         self.failed = asyncio.Event()  # set when the instance gives up (restart limit)
         #: while parked: each server's router API, to route to it again on restore
         self._parked_workers: dict[str, RouterWorkers | None] = {}
+        #: while parked: the processes stopped for the next profile (a router in its way), to start again
+        self._stopped_while_parked: list[str] = []
 
     # ------------------------------------------------------------------ events and status
 
@@ -290,14 +292,18 @@ class Instance:
 
     # ------------------------------------------------------------------ parking
 
-    async def park(self, suspend: Callable[[], Awaitable[str]]) -> None:
-        """Take it out of traffic, pause every process's liveness, then `suspend` (the
-        controller's checkpoint and baseline check, controller/parking.py), which returns the
-        reason to show ("parked: 0 MiB on the GPU, 21.7 GB host ..."). A `suspend` that raises
-        leaves it as it was: liveness and traffic back, READY, the error raised on.
+    async def park(self, suspend: Callable[[], Awaitable[str]], stop: Mapping[str, str] | None = None) -> None:
+        """Take it out of traffic, stop the processes in `stop` (name -> why: a router whose port
+        the next profile needs, controller/parking.py decides which), pause every other
+        process's liveness, then `suspend` (the controller's checkpoint and baseline check),
+        which returns the reason to show ("parked: 0 MiB on the GPU, 21.7 GB host ...").
+        A `suspend` that raises leaves it as it was: liveness back, what was stopped started
+        again, traffic back, READY, the error raised on; a router that then does not start
+        again gives up on the instance (everything stopped, FAILED), as a failed restart does.
 
         The engine knows nothing of checkpoints (parking/ is its own package): it only owns
         what parking means to supervision, which is: no requests routed, no liveness, its own."""
+        stop = dict(stop or {})
         async with self._lock:
             if self.state != InstanceState.READY:
                 raise PreconditionError(f"{self.name} is {self.state.value}, not ready: it is not parked")
@@ -307,22 +313,57 @@ class Instance:
                     workers[proc.name] = await self._out_of_traffic(proc)
                     if workers[proc.name] is None and proc.exit_code is None:
                         await wait_drained(proc.spec, proc.spec.stop_timeout_s)
+            await self._stop_while_parked(stop)  # drained: nothing in flight goes with them
             for proc in self.processes.values():
-                proc.park("parking")
+                if proc.name not in stop:
+                    proc.park("parking")
             try:
                 reason = await suspend()
-            except BaseException:
-                await self._unpark(workers, "park failed: brought back")
+            except BaseException as error:
+                try:
+                    await self._unpark(workers, "park failed: brought back")
+                except StartError as e:
+                    why = f"park failed ({one_line(str(error))[:200]}) and {e}"
+                    failed = next((n for n in self._stopped_while_parked if self.processes[n].state != ProcessState.READY),
+                                  self._stopped_while_parked[0])
+                    await self._stop_and_fail(self.processes[failed], why)
+                    raise StartError(why) from None
                 raise
             self._parked_workers = workers
             self._set_state(InstanceState.PARKED, reason)
 
+    async def _stop_while_parked(self, stop: Mapping[str, str]) -> None:
+        """The processes a park stops (a router in the next profile's way), in the profile's stop
+        order, each stop as any other (SIGTERM, its deadline, its cgroup emptied), and said why.
+        Stopped by us, they are not crashed: no liveness, no restart (`_stopping`), STOPPED."""
+        self._stopped_while_parked = [name for wave in self.profile.stop_waves for name in wave if name in stop]
+        for wave in self.profile.stop_waves:
+            procs = [self.processes[name] for name in wave if name in stop]
+            await asyncio.gather(*(proc.stop(why=stop[proc.name]) for proc in procs))
+            for proc in procs:
+                self.sink.event(f"{proc.name}: {stop[proc.name]}", 6, GPUSUP_PROCESS=proc.name,
+                                GPUSUP_EVENT="stopped-while-parked")
+
+    async def _start_stopped_while_parked(self) -> None:
+        """Each process the park stopped, started again as a restart starts it (`_start_again`)
+        and ready (a router: every worker of the profile healthy in it); in the stop order
+        reversed. Raises StartError naming it; what it started stays for the caller's stop."""
+        for name in reversed(self._stopped_while_parked):
+            try:
+                await self._start_again(self.processes[name], None)
+            except StartError as e:
+                first = str(e).splitlines()[0].removeprefix(f"{name}: ")
+                raise StartError(f"{name}, stopped while parked, does not start again: {first}") from None
+        self._stopped_while_parked = []
+
     async def resume(self, restore: Callable[[], Awaitable[None]],
                      prove: Callable[[], Awaitable[None]] | None = None) -> None:
-        """`restore` (the controller's restore of each process), then liveness and traffic back,
-        then `prove` (one generation: through the router, where there is one, it needs the servers
-        routed to again, so it comes after them), READY. A `restore` or a `prove` that raises
-        leaves it PARKED: the caller stops it and starts it cold (controller/parking.py says so)."""
+        """`restore` (the controller's restore of each process), then liveness back, the
+        processes the park stopped started again (a router needs its servers restored to be
+        ready), traffic back, then `prove` (one generation: through the router, where there is
+        one, it needs the servers routed to again, so it comes after them), READY. A `restore`,
+        a start or a `prove` that raises leaves it PARKED: the caller stops it and starts it
+        cold (controller/parking.py says so)."""
         async with self._lock:
             if self.state != InstanceState.PARKED:
                 raise PreconditionError(f"{self.name} is {self.state.value}, not parked: nothing to restore")
@@ -337,6 +378,7 @@ class Instance:
         for proc in self.processes.values():
             if proc.state == ProcessState.PARKED:
                 proc.unpark(detail)
+        await self._start_stopped_while_parked()
         for name, w in workers.items():
             await self._back_in_traffic(self.processes[name], w)
 
@@ -347,7 +389,10 @@ class Instance:
             self._start_failure = StartError(proc._failure(f"exited during start-up ({proc.last_exit})"))
             self._start_abort.set()
             return
-        if self.state in (InstanceState.STOPPING, InstanceState.STOPPED, InstanceState.FAILED) or proc.name in self._restart_tasks:
+        # PARKED: it died between its restore and the restore's proof of serving, which then
+        # fails, and the profile is started cold (controller/parking.py); no restart beside that
+        if (self.state in (InstanceState.STOPPING, InstanceState.STOPPED, InstanceState.FAILED, InstanceState.PARKED)
+                or proc.name in self._restart_tasks):
             return
         task = self._restart_tasks[proc.name] = asyncio.get_running_loop().create_task(self._recover(proc))
         task.add_done_callback(self._recovery_ended)
@@ -465,21 +510,32 @@ class Instance:
         instance is READY again once every process is (and nothing gave up meanwhile). A server on a
         shared GPU waits for its turn: two sharers that crashed together must not size their
         memory pools at the same moment."""
-        async with self._gpu_turn if proc.name in self._sharing else contextlib.nullcontext():
-            await proc.start(again)
-            await proc.wait_ready()
+        await self._start_again(proc, again)
         await self._back_in_traffic(proc, workers)
         if self.state == InstanceState.DEGRADED and all(p.state == ProcessState.READY for p in self.processes.values()):
             self._set_state(InstanceState.READY)
 
+    async def _start_again(self, proc: ManagedProcess, again: Again | None) -> None:
+        """Start `proc` (stopped now) and wait until it is ready: a restart's (`again`), or a
+        router's stopped while parked (None: not a restart of any ledger). A server on a shared
+        GPU waits for its turn (sharers size their memory pools one at a time)."""
+        async with self._gpu_turn if proc.name in self._sharing else contextlib.nullcontext():
+            await proc.start(again)
+            await proc.wait_ready()
+
     async def _give_up(self, proc: ManagedProcess, why: str) -> None:
-        self.sink.event(f"giving up: {why}; stopping the instance", 3, GPUSUP_EVENT="failed", GPUSUP_PROCESS=proc.name)
         for task in list(self._restart_tasks.values()):  # another process's backoff must not start it again
             if task is not asyncio.current_task():
                 task.cancel()
         async with self._lock:  # never interleaved with a start or a stop
-            self._set_state(InstanceState.STOPPING, why)
-            await self._stop_all()
+            await self._stop_and_fail(proc, why)
+
+    async def _stop_and_fail(self, proc: ManagedProcess, why: str) -> None:
+        """Giving up, with the instance's lock held: every process stopped, `proc` and the
+        instance FAILED for `why`, `failed` set (the daemon's life ends on it)."""
+        self.sink.event(f"giving up: {why}; stopping the instance", 3, GPUSUP_EVENT="failed", GPUSUP_PROCESS=proc.name)
+        self._set_state(InstanceState.STOPPING, why)
+        await self._stop_all()
         proc.mark_failed(why)
         self._set_state(InstanceState.FAILED, why)
         self.failed.set()

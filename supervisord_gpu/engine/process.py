@@ -679,11 +679,12 @@ class ManagedProcess:
 
     # ------------------------------------------------------------------ stop
 
-    async def stop(self, timeout: float | None = None) -> float:
+    async def stop(self, timeout: float | None = None, why: str = "") -> float:
         """SIGTERM the main process, SIGKILL the whole group at the deadline; returns seconds taken.
 
         Once the main process has exited, whatever is left in its group (a detached scheduler)
-        is an orphan: it is killed at once rather than waited for.
+        is an orphan: it is killed at once rather than waited for. `why`, when the stop is not
+        the plain one ("stopped while parked: ..."), is its state's detail and its last_exit's.
         """
         if self.spawned is None:
             self._set_state(ProcessState.STOPPED)
@@ -695,11 +696,11 @@ class ManagedProcess:
         if self._hang is not None:
             self._hang.cancel()
         began = time.monotonic()
-        self._set_state(ProcessState.STOPPING)
+        self._set_state(ProcessState.STOPPING, why)
         group = self.spawned.group
         if not self._exited.is_set():
             await asyncio.to_thread(self._scan_files)
-            self.signals_sent.setdefault(signal.SIGTERM, "stopped by the supervisor")
+            self.signals_sent.setdefault(signal.SIGTERM, why or "stopped by the supervisor")
             try:
                 os.kill(self.spawned.pid, signal.SIGTERM)
             except ProcessLookupError:
@@ -752,7 +753,7 @@ class ManagedProcess:
         detect = time.monotonic() - self.exited_at if self.exited_at else 0.0
         self.ready_since = None
         self._set_phase("")
-        self._set_state(ProcessState.STOPPED)
+        self._set_state(ProcessState.STOPPED, why)
         self.sink.event(
             f"{self.name}: stopped in {took:.3f} s ({self.exit_report}"
             + (f"; killed {len(leftovers)} leftover process(es) in its group" if leftovers else "")

@@ -9,6 +9,13 @@ Whether the host can take it: MemAvailable against the bytes to park plus a marg
 with one line naming the three figures. The bytes to park are what the GPUs say the processes
 hold (cuda-checkpoint copies all of it, the KV pool included).
 
+Which of its processes stop while it is parked: a parked profile's processes all keep running
+(only the CUDA ones are checkpointed), so their ports stay taken. A router holds no CUDA memory
+and takes the profile out of traffic anyway: one whose port the next profile needs (pd-1p1d's
+and tp4-512k's share 30001: clients never change port) is stopped after the drain and started
+again at the restore. A server's front end cannot be stopped apart from its scheduler: a server
+in the way refuses the park.
+
 What a restore's outcome means: serving again, or a cold start of the profile, said so.
 """
 
@@ -39,6 +46,27 @@ class ParkTarget:
     gpu_bytes: int
 
 
+@dataclass(frozen=True)
+class StoppedWhileParked:
+    """A process of a parked profile stopped for the next one (a router in its way), to be
+    started again at the restore; not crashed, and nothing restarts it meanwhile."""
+
+    process: str
+    #: its ports the next profile needs
+    ports: tuple[int, ...]
+    #: the profile that needs them
+    needed_by: str
+
+    def why(self) -> str:
+        """"stopped while parked: tp4-512k needs port 30001": its stop's reason (its last_exit)."""
+        return (f"stopped while parked: {self.needed_by} needs port{'s' if len(self.ports) > 1 else ''} "
+                f"{','.join(map(str, self.ports))}")
+
+    def describe(self) -> str:
+        """"router stopped while parked (tp4-512k needs port 30001)": in the parked reason."""
+        return f"{self.process} {self.why().replace(': ', ' (', 1)})"
+
+
 @dataclass
 class ParkedProfile:
     """A parked profile as the supervisor owns it: shown by `status`, exempt from liveness,
@@ -50,7 +78,9 @@ class ParkedProfile:
     host_bytes: int
     since: float
     took_s: float = 0.0
+    #: the ports it keeps listening on while parked (controller/parked.py: a takeover reads them)
     ports: list[int] = field(default_factory=list)
+    stopped: list[StoppedWhileParked] = field(default_factory=list)
 
     @property
     def pids(self) -> list[int]:
@@ -60,12 +90,14 @@ class ParkedProfile:
         """"0 MiB on the GPU, 21.7 GB host (server pid 123), via driver-api": the instance's reason
         while parked, so STATUS= and `gpusupctl status` read "parked: 0 MiB on the GPU, ..."."""
         who = ", ".join(f"{t.process} pid {t.pid}" for t in self.targets)
-        return f"0 MiB on the GPU, {gb(self.host_bytes)} host ({who}), via {self.mechanism}"
+        stopped = "".join(f"; {s.describe()}" for s in self.stopped)
+        return f"0 MiB on the GPU, {gb(self.host_bytes)} host ({who}), via {self.mechanism}{stopped}"
 
     def to_json(self) -> dict[str, object]:
         return {"instance": self.instance, "mechanism": self.mechanism, "host_bytes": self.host_bytes,
                 "since": self.since, "took_s": round(self.took_s, 3), "ports": list(self.ports),
-                "pids": [{"process": t.process, "pid": t.pid, "gpu_bytes": t.gpu_bytes} for t in self.targets]}
+                "pids": [{"process": t.process, "pid": t.pid, "gpu_bytes": t.gpu_bytes} for t in self.targets],
+                "stopped": [{"process": s.process, "ports": list(s.ports), "needed_by": s.needed_by} for s in self.stopped]}
 
 
 def find_targets(pids_by_process: Mapping[str, Iterable[int]], gpus: Iterable[GpuState]) -> list[ParkTarget]:
@@ -107,13 +139,49 @@ def nothing_to_park_refusal(instance: str, targets: list[ParkTarget]) -> str:
 
 
 def port_refusal(parked: str, parked_ports: Iterable[int], wanted: str, wanted_ports: Iterable[int]) -> str:
-    """A parked profile's front ends keep listening (only their GPU memory leaves): a profile
-    that needs one of those ports cannot start beside it."""
+    """A parked profile's servers keep listening (only their GPU memory leaves): a profile that
+    needs one of their ports cannot start beside it. `parked_ports` are its servers' only: a
+    router in the way is stopped instead (`ports_in_the_way`)."""
     both = sorted(set(parked_ports) & set(wanted_ports))
     if not both:
         return ""
     return (f"refusing to park {parked}: {wanted} needs port(s) {','.join(map(str, both))}, which {parked} "
             "keeps listening on while parked; stop it instead")
+
+
+@dataclass(frozen=True)
+class PortHolder:
+    """One process of the profile to park and every port it listens on (config/model.py's
+    listens(): a router's metrics port, a prefill's bootstrap port included)."""
+
+    process: str
+    kind: str  # "server" | "router" (ProcessSpec.kind)
+    ports: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PortsVerdict:
+    """What the next profile's ports mean for a park: the routers to stop while parked, the
+    ports it keeps listening on, or why the park is refused (a server in the way)."""
+
+    stop: tuple[StoppedWhileParked, ...] = ()
+    kept: tuple[int, ...] = ()
+    refusal: str = ""
+
+
+def ports_in_the_way(parked: str, holders: Iterable[PortHolder], wanted: str, wanted_ports: Iterable[int]) -> PortsVerdict:
+    """A router of `parked` on a port `wanted` needs is stopped at the park and started at the
+    restore: it holds no CUDA memory, and it is what takes the profile out of traffic anyway. A
+    server on such a port refuses the park (port_refusal), naming only the servers' ports: its
+    front end cannot be stopped apart from its scheduler. Either way its other ports go with it."""
+    want = set(wanted_ports)
+    holders = list(holders)
+    stop = tuple(StoppedWhileParked(h.process, tuple(sorted(set(h.ports) & want)), wanted)
+                 for h in holders if h.kind == "router" and set(h.ports) & want)
+    stopped = {s.process for s in stop}
+    servers = [port for h in holders if h.kind != "router" for port in h.ports]
+    kept = tuple(sorted({port for h in holders if h.process not in stopped for port in h.ports}))
+    return PortsVerdict(stop, kept, port_refusal(parked, servers, wanted, want))
 
 
 def baseline_problems(states: Iterable[GpuState], parked_pids: Iterable[int]) -> list[str]:
@@ -137,11 +205,15 @@ class RestoreVerdict:
     say: str
 
 
-def judge_restore(instance: str, restore_error: str, serving_error: str, took_s: float) -> RestoreVerdict:
-    """A restore that failed (a call, or the one generation after it) falls back to a cold start
-    of the profile, and says so; the parked processes are then stopped, never half-used."""
+def judge_restore(instance: str, restore_error: str, serving_error: str, took_s: float,
+                  start_error: str = "") -> RestoreVerdict:
+    """A restore that failed (a call, a process stopped while parked that does not start again,
+    or the one generation after it) falls back to a cold start of the profile, and says so; the
+    parked processes are then stopped, never half-used."""
     if restore_error:
         return RestoreVerdict(False, f"restore of {instance} failed ({restore_error}); starting it cold instead")
+    if start_error:
+        return RestoreVerdict(False, f"{instance} restored but {start_error}; starting it cold instead")
     if serving_error:
         return RestoreVerdict(False, f"{instance} restored but does not serve ({serving_error}); starting it cold instead")
     return RestoreVerdict(True, f"{instance} restored and serving in {took_s:.2f} s")
