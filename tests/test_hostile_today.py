@@ -330,3 +330,46 @@ def test_another_users_claim_in_the_shared_holders_directory_does_not_park_or_re
     ckpt.restore(me)
     ckpt.unlock(me)
     assert SimulatedInventory(sim).snapshot([0])[0].used_mib == 600 and claim.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="plays two other uids' directories of holdings (chown)")
+@pytest.mark.parametrize("name", [".parked.{pid}.json", "{pid}.json"])
+def test_a_holders_directory_swapped_for_a_link_does_not_aim_roots_removal_at_another_users_holding(
+        tmp_path, monkeypatch, name):
+    """Party: any local user of a box with simulated GPUs (holders/ is 1777: each user adds a
+    directory of their own, and may rename it away and put a symlink in its place). A reader
+    removes dead holdings, and now dead parked ones, by their path: root (the rehearsal's daemon,
+    `sudo gpusupctl status`) parsed a dead claim in the user's directory, and by the time it
+    removed it the directory was a link to a victim's, so it removed the victim's file of that
+    name instead: another user's parked holding (their restore then starts cold), or their live
+    one (their GPU read free). The swap is played where the reader decides the claim is dead,
+    the moment a racing user aims at (holders() runs every few milliseconds)."""
+    import json
+
+    import psutil
+
+    from supervisord_gpu.checks import simgpu
+
+    sim = simgpu.SimulatedGpus.create(tmp_path / "simgpu", 1, total_mib=1000, reserved_mib=0)
+    me = os.getpid()
+    holders = sim.directory / "holders"
+    victim, attacker = holders / "22222", holders / "33333"
+    victim.mkdir()
+    attacker.mkdir()
+    target = victim / name.format(pid=me)
+    target.write_text(json.dumps({"pid": me, "create_time": psutil.Process(me).create_time(), "gpus": [0], "mib": 100}))
+    bait = attacker / name.format(pid=me)
+    bait.write_text(json.dumps({"pid": me, "create_time": 1.0, "gpus": [0], "mib": 1}))  # dead: another start time
+    for path, uid in ((target, 22222), (victim, 22222), (bait, 33333), (attacker, 33333)):
+        os.chown(path, uid, uid)
+    alive = simgpu._alive
+
+    def alive_then_swapped(pid: int, create_time: float, boot: float | None = None) -> bool:
+        if create_time == 1.0 and attacker.is_dir() and not attacker.is_symlink():
+            attacker.rename(holders / "33333.away")
+            attacker.symlink_to(victim)
+        return alive(pid, create_time, boot)
+
+    monkeypatch.setattr(simgpu, "_alive", alive_then_swapped)
+    sim.holders()
+    assert target.exists(), "root removed the victim's holding through the user's swapped-in link"

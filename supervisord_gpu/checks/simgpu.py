@@ -170,42 +170,57 @@ def _holdings_dir_owner(st: os.stat_result) -> int | None:
 
 
 def _holdings_in(directory: str, owner: int, boot: float | None) -> list[SimHolding]:
-    """The live holdings in one user's directory; the dead ones removed (where we may)."""
+    """The live holdings in one user's directory; the dead ones removed (where we may).
+
+    Everything below goes through one descriptor of the directory, opened without following a
+    link and checked to be the directory `owner` was read from: its owner may rename it away and
+    put a symlink in its place at any moment (holders/ is 1777), and a removal by path would then
+    remove the victim's file of that name, as root where root reads (a rehearsal's daemon,
+    `sudo gpusupctl status`)."""
     found: list[SimHolding] = []
     try:
-        entries = list(os.scandir(directory))
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
         return found
-    for entry in entries:
-        if entry.name.startswith("."):
-            _drop_if_dead_parked(entry, owner, boot)
-            continue  # a holding being written (_atomic_write's temporary), not a holding yet; or parked
-        parsed = _parse_holding(entry.path, owner)
-        if parsed is None or entry.name != f"{parsed[0].pid}.json":
-            continue  # not a holding: a FIFO, a directory, garbage, someone else's file
-        holding, create_time = parsed
-        if _alive(holding.pid, create_time, boot):
-            if _speaks_for(owner, holding.pid):
-                found.append(holding)
-        else:
-            try:
-                os.unlink(entry.path)
-            except OSError:
-                pass
+    try:
+        if _holdings_dir_owner(os.fstat(dfd)) != owner:
+            return found  # not the directory its owner was read from
+        entries = list(os.scandir(dfd))
+        for entry in entries:
+            if entry.name.startswith("."):
+                _drop_if_dead_parked(entry.name, dfd, owner, boot)
+                continue  # a holding being written (_atomic_write's temporary), not a holding yet; or parked
+            parsed = _parse_holding(entry.name, owner, dir_fd=dfd)
+            if parsed is None or entry.name != f"{parsed[0].pid}.json":
+                continue  # not a holding: a FIFO, a directory, garbage, someone else's file
+            holding, create_time = parsed
+            if _alive(holding.pid, create_time, boot):
+                if _speaks_for(owner, holding.pid):
+                    found.append(holding)
+            else:
+                try:
+                    os.unlink(entry.name, dir_fd=dfd)
+                except OSError:
+                    pass
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
     return found
 
 
-def _drop_if_dead_parked(entry: os.DirEntry[str], owner: int, boot: float | None) -> None:
+def _drop_if_dead_parked(name: str, dfd: int, owner: int, boot: float | None) -> None:
     """A parked holding (parking/simulated.py: the simulated host copy) of a process that is gone
     is removed, where we may, as a dead holding is: the driver frees a dead process's host copy.
-    A parked daemon SIGKILLed under systemd takes its processes with it and forgets nothing."""
-    if not entry.name.startswith(".parked."):
+    A parked daemon SIGKILLed under systemd takes its processes with it and forgets nothing.
+    `name` in the directory open as `dfd` (_holdings_in: never by a path its owner can re-aim)."""
+    if not name.startswith(".parked."):
         return
-    parsed = _parse_holding(entry.path, owner)
-    if parsed is None or entry.name != f".parked.{parsed[0].pid}.json" or _alive(parsed[0].pid, parsed[1], boot):
+    parsed = _parse_holding(name, owner, dir_fd=dfd)
+    if parsed is None or name != f".parked.{parsed[0].pid}.json" or _alive(parsed[0].pid, parsed[1], boot):
         return
     try:
-        os.unlink(entry.path)
+        os.unlink(name, dir_fd=dfd)
     except OSError:
         pass
 
@@ -263,12 +278,12 @@ def _alive(pid: int, create_time: float, boot: float | None = None) -> bool:
         return False
 
 
-def _parse_holding(path: str, owner: int | None = None) -> tuple[SimHolding, float] | None:
+def _parse_holding(path: str, owner: int | None = None, dir_fd: int | None = None) -> tuple[SimHolding, float] | None:
     """A holding file read defensively: a regular file (never a FIFO that would block the
     read, never through a symlink), owned by `owner` if given, small, with the fields and
-    types hold() writes."""
+    types hold() writes. `path` relative to `dir_fd` where given."""
     try:
-        record = json.loads(_read_small(path, regular_only=True, owner=owner))
+        record = json.loads(_read_small(path, regular_only=True, owner=owner, dir_fd=dir_fd))
         pid, create_time, gpus, mib = record["pid"], record["create_time"], record["gpus"], record["mib"]
     except (OSError, ValueError, TypeError, KeyError):
         return None
@@ -278,10 +293,10 @@ def _parse_holding(path: str, owner: int | None = None) -> tuple[SimHolding, flo
     return SimHolding(pid, tuple(gpus), mib), float(create_time)
 
 
-def _read_small(path: str, regular_only: bool = False, owner: int | None = None) -> bytes:
+def _read_small(path: str, regular_only: bool = False, owner: int | None = None, dir_fd: int | None = None) -> bytes:
     """One read(2) of a small file: half the cost of open()/json.load on this hot path."""
     flags = os.O_RDONLY | (os.O_NONBLOCK | os.O_NOFOLLOW if regular_only else 0)
-    fd = os.open(path, flags)
+    fd = os.open(path, flags, dir_fd=dir_fd)
     try:
         if regular_only or owner is not None:
             st = os.fstat(fd)
