@@ -373,3 +373,46 @@ def test_a_holders_directory_swapped_for_a_link_does_not_aim_roots_removal_at_an
     monkeypatch.setattr(simgpu, "_alive", alive_then_swapped)
     sim.holders()
     assert target.exists(), "root removed the victim's holding through the user's swapped-in link"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="plays another uid's directory (chown)")
+def test_simulated_gpus_a_local_user_made_first_are_not_what_root_reads_and_parks_in(tmp_path):
+    """Party: a local user who makes the simulated GPUs' directory before root does (a
+    `rehearsal.simgpu_dir` under /tmp, say). `SimulatedGpus.create` refuses another user's
+    directory, but one that already had its `devices.json` was used as it was: that user wrote
+    the GPUs root decides by, and owned the holders/ above root's own holdings, which root's
+    parker (now on every `gpus.backend = "simulated"` daemon) renames as root by path."""
+    import textwrap
+
+    from supervisord_gpu.checks.gpus import inventory_for
+    from supervisord_gpu.checks.simgpu import SimulatedGpus
+    from supervisord_gpu.config.loader import load_daemon_config
+    from supervisord_gpu.errors import SupervisorError
+
+    theirs = tmp_path / "shared" / "simgpu"
+    SimulatedGpus.create(theirs, 8)  # as that user would have: then handed to them
+    for path in (theirs, theirs / "holders", theirs / "devices.json"):
+        os.chown(path, 12345, 12345)
+    etc = tmp_path / "etc"
+    (etc / "profiles").mkdir(parents=True)
+    (etc / "supervisord-gpu.toml").write_text(textwrap.dedent(f"""
+        [daemon]
+        runtime_dir = "{tmp_path / 'run'}"
+        cache_dir = "{tmp_path / 'cache'}"
+        default_user = "root"
+        [gpus]
+        backend = "simulated"
+        [rehearsal]
+        simgpu_dir = "{theirs}"
+        """))
+    cfg = load_daemon_config(etc)
+    with pytest.raises(SupervisorError, match="uid 12345"):
+        inventory_for(cfg, simulated=False)
+    os.chown(theirs, 0, 0)
+    with pytest.raises(SupervisorError, match="holders"):
+        inventory_for(cfg, simulated=False)  # their holders/ under our directory: they rename our holdings' directory
+    os.chown(theirs / "holders", 0, 0)
+    with pytest.raises(SupervisorError, match="devices.json"):
+        inventory_for(cfg, simulated=False)  # the GPUs they wrote
+    os.chown(theirs / "devices.json", 0, 0)
+    assert inventory_for(cfg, simulated=False).count() == 8, "root's own, as create() leaves it"

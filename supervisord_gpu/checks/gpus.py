@@ -352,6 +352,28 @@ def simgpu_dir(cfg: DaemonConfig) -> Path:
     return Path(cfg.rehearsal.simgpu_dir) if cfg.rehearsal.simgpu_dir else cfg.runtime_dir / "simgpu"
 
 
+def _check_simgpu_dir(directory: Path) -> None:
+    """As root, simulated GPUs found made are read only if they are root's as `create` leaves
+    them: the directory and every one above it root's and writable by nobody else
+    (config/trust.check_modes), holders/ and devices.json root's, neither a symlink. A user who
+    made them first (a `simgpu_dir` under /tmp) would write the GPUs root decides by, and own
+    the holders/ above root's holdings, which root's parker renames by path. Not root: a
+    user's reader trusts what it likes (it writes nothing of anyone else's)."""
+    if os.geteuid() != 0:
+        return
+    from ..config.trust import check_modes
+
+    check_modes(directory)
+    for path in (directory / "holders", directory / "devices.json"):
+        try:
+            st = os.lstat(path)
+        except OSError as e:
+            raise UsageError(f"simulated GPUs in {directory}: {path.name}: {e.strerror}") from None
+        if os.path.islink(path) or st.st_uid != 0 or (path.name == "devices.json" and st.st_mode & 0o022):
+            raise UsageError(f"refusing simulated GPUs in {directory}: {path.name} is owned by uid {st.st_uid} "
+                             f"(mode {st.st_mode & 0o7777:04o}), not root's as they are made")
+
+
 def inventory_for(cfg: DaemonConfig, simulated: bool) -> GpuInventory:
     """The machine's GPUs as the config says to read them: NVML, or the simulated GPUs (created
     on first use, with the rehearsal's count and memory) when `simulated` or `gpus.backend =
@@ -360,5 +382,7 @@ def inventory_for(cfg: DaemonConfig, simulated: bool) -> GpuInventory:
         directory = simgpu_dir(cfg)
         if not SimulatedGpus(directory).exists():
             SimulatedGpus.create(directory, cfg.rehearsal.gpu_count, cfg.rehearsal.gpu_memory_mib)
+        else:
+            _check_simgpu_dir(directory)
         return open_inventory("simulated", simgpu_dir=str(directory), tolerance_mib=cfg.gpus.idle_tolerance_mib)
     return open_inventory("nvml", tolerance_mib=cfg.gpus.idle_tolerance_mib, baseline_mib=dict(cfg.gpus.baseline_mib) or None)
