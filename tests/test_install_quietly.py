@@ -127,8 +127,10 @@ def test_a_signal_mid_install_still_removes_policy_rc_d_and_disables_what_was_en
     policy-rc.d ("exit 101") on the host: from then on no package install started its service.
     The script now waits for apt, puts the host back, and ends with the signal's status."""
     root = machine(tmp_path)
-    started = tmp_path / "apt-started"
-    slow = FAKE_APT + f"echo > {started}\nsleep 0.5\n"
+    started, release = tmp_path / "apt-started", tmp_path / "apt-release"
+    # apt runs until the test has sent its signal (a fixed sleep lost the race on a loaded machine:
+    # the install had ended, exit 0, before the signal came)
+    slow = FAKE_APT + f"echo > {started}\nfor i in $(seq 100); do [ -e {release} ] && break; sleep 0.1; done\n"
     apt = tmp_path / "apt-get"
     apt.write_text(slow)
     apt.chmod(0o755)
@@ -139,6 +141,8 @@ def test_a_signal_mid_install_still_removes_policy_rc_d_and_disables_what_was_en
         time.sleep(0.02)
     assert started.exists(), "the fake apt never ran"
     script.send_signal(signum)
+    time.sleep(0.1)
+    release.touch()
     _, err = script.communicate(timeout=30)
     time.sleep(0.6)  # an orphaned apt (the old script died at once) has finished by now
     assert script.returncode == 128 + signum, err
