@@ -121,6 +121,11 @@ exit 0
     assert failed.returncode != 0 and "waiting" not in failed.stderr, failed.stderr  # no lock: not retried
 
 
+def _default_signals() -> None:
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_a_signal_mid_install_still_removes_policy_rc_d_and_disables_what_was_enabled(tmp_path: Path, signum: int) -> None:
     """A SIGTERM or SIGHUP while apt ran (a closed ssh session, a killed `make`) left our
@@ -135,7 +140,10 @@ def test_a_signal_mid_install_still_removes_policy_rc_d_and_disables_what_was_en
     apt.write_text(slow)
     apt.chmod(0o755)
     env = {**os.environ, "INSTALL_ROOT": str(root), "APT_GET": str(apt)}
-    script = subprocess.Popen(["sh", str(SCRIPT), "etcd-server"], env=env, stderr=subprocess.PIPE, text=True)
+    # the signals' default dispositions: a test run started with `nohup` or `&` hands its children
+    # SIGHUP or SIGINT ignored, which a shell cannot trap (POSIX), and the install then ran to exit 0
+    script = subprocess.Popen(["sh", str(SCRIPT), "etcd-server"], env=env, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=_default_signals)
     deadline = time.monotonic() + 30
     while not started.exists() and script.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
