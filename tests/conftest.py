@@ -72,6 +72,7 @@ FAST_MODULES = frozenset({
     "test_routers",
     "test_hang_rules",
     "test_hostile_today",
+    "test_longrun",
 })
 
 

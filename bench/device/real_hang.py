@@ -33,6 +33,28 @@ hang case first under a profile with hang_window = 0 (today's daemon), "not kill
 or the time it was killed (a stand-in run affords it; a real run does not, with its restarts).
 Results: $OUT/real-hang-<mode>.json (with "table") and the table on stdout.
 REAL_SGLANG_PORTS=SERVER,ROUTER,METRICS moves the ports (real_sglang's; a shared machine).
+
+A run longer than one device call (bench/device/longrun.py): `detach` starts it in its own
+session (it outlives the call; /tmp survives on the warm machine) and returns; each `collect`
+waits up to --wait s, copies the results so far (saved after each case), run.log and the logs so
+far into $OUT, and exits 3 while it runs (call it again within 30 s: the machine goes back after
+30 s idle), 0 when it finished with every case PASS, 1 on a failure or a run that died, 2 when
+--out-dir holds no run. --pause-runs N holds the pause in the first N rounds only. The issue's
+table, on the device machine:
+
+    call 1, carry [".sgl"]:
+      python3 bench/device/real_pd.py unpack && python3 bench/device/real_hang.py detach \
+        --out-dir /tmp/rh-long --mode real --pause-s 600 --pause-runs 1 --busy-runs 12 --slow-s 10 --budget 5400
+    calls 2..n, back to back, each within 30 s of the last, until the exit code is not 3:
+      python3 bench/device/real_hang.py collect --out-dir /tmp/rh-long --out $OUT --wait 540
+
+That is about 26 device minutes (measured on an H100: a start 25-85 s, the pause 611 s, one round
+of slow (10 s) + long_prefill + stall_latch about 50 s, a hang case about 46 s with its restart):
+~60 + 85 + 611 + 12 x 50 + 4 x 46 + 20 s. --busy-runs 20 makes it ~32 minutes; the issue's
+literal 20 rounds each with a 10-minute pause ~3.8 hours; --today-s 320 adds ~20 minutes.
+On CPU: `.venv/bin/python bench/device/real_hang.py detach --out-dir /tmp/rh-long --mode standin
+--pause-s 20 --busy-runs 2 --pause-runs 1 --slow-s 10 --standin-startup 3 --budget 880`, then
+`collect --out-dir /tmp/rh-long --out /tmp/rh-out --wait 30` until it exits 0.
 """
 
 from __future__ import annotations
@@ -51,6 +73,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_sglang as R  # noqa: E402  (the device bench's machinery: bundles, daemon, checks)
+import longrun  # noqa: E402  (detach / collect: one run across several device calls)
 
 PROFILE = "hang"
 OLD_PROFILE = "hang-old"
@@ -74,8 +97,13 @@ class HangRun(R.Run):
             self.results["setup"]["profiles"][name] = text
 
     def save(self) -> None:
+        """After each case (Run.scenario): a detached run's partial results survive, and a
+        `collect` reading them meanwhile never sees a half-written file (write, then rename)."""
         self.results["elapsed_s"] = round(self.elapsed(), 1)
-        (self.out / f"real-hang-{self.mode}.json").write_text(json.dumps(self.results, indent=1, default=str))
+        path = self.out / f"real-hang-{self.mode}.json"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.results, indent=1, default=str))
+        os.replace(tmp, path)
 
 
 def admin_key() -> str | None:
@@ -283,7 +311,7 @@ def today_case(run: HangRun, c: R.Check, m: dict[str, Any], d: R.Daemon, hang: A
 
 # ============================================================================ the run
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=("real", "standin"), required=True)
     ap.add_argument("--out", required=True)
@@ -300,7 +328,13 @@ def main() -> int:
     ap.add_argument("--python", default=None)
     ap.add_argument("--standin-startup", type=float, default=10.0)
     ap.add_argument("--skip", default="", help="busy cases to leave out, comma-separated (pause,slow,long_prefill,stall_latch)")
-    args = ap.parse_args()
+    ap.add_argument("--pause-runs", type=int, default=None,
+                    help="rounds that hold the pause case (the first N; default: every round): a 10-minute pause once, the short busy cases --busy-runs times")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     args.group, args.code, args.router, args.only = "hang", "tree", "standin", set()
     args.work = args.work or f"/tmp/rsg-hang-{args.mode}"
     run = HangRun(args)
@@ -339,6 +373,8 @@ def main() -> int:
                                  ("long_prefill", busy_long_prefill, 60), ("stall_latch", busy_stall_latch, 35)):
                 if key in args.skip.split(","):
                     continue
+                if key == "pause" and args.pause_runs is not None and i >= args.pause_runs:
+                    continue
                 serving_again(args.start_estimate * 2)
                 run.scenario(f"busy_{key}_{i + 1}", f"busy: {key} (round {i + 1})", est,
                              lambda c, m, fn=fn: fn(run, c, m, d))
@@ -372,4 +408,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(longrun.dispatch(sys.argv[1:], main, parser))
