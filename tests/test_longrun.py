@@ -5,6 +5,7 @@ Starts no server: the fast tier."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -34,7 +35,8 @@ def fake_run(d: Path, pid: int, results: dict[str, str] | None = None, code: int
 
 
 def collect(d: Path, dest: Path, wait: float = 0.0) -> int:
-    return longrun.collect(["--out-dir", str(d), "--out", str(dest), "--wait", str(wait)], SCRIPT)
+    code: int = longrun.collect(["--out-dir", str(d), "--out", str(dest), "--wait", str(wait)], SCRIPT)
+    return code
 
 
 @pytest.fixture
@@ -98,14 +100,7 @@ def test_a_bad_run_record_is_one_line_exit_2(tmp_path: Path, capsys: pytest.Capt
 def test_detach_starts_its_own_session_and_returns(tmp_path: Path) -> None:
     """detach returns at once; the run it starts leads a new session (it outlives the device
     command) and writes exit.json with the run's code when it ends."""
-    import argparse
-
-    def parser() -> argparse.ArgumentParser:
-        ap = argparse.ArgumentParser()
-        ap.add_argument("--mode", required=True)
-        ap.add_argument("--out", required=True)
-        ap.add_argument("--work")
-        return ap
+    parser = _parser
 
     script = tmp_path / "fake_bench.py"
     script.write_text("import sys, os, time\n"
@@ -123,3 +118,22 @@ def test_detach_starts_its_own_session_and_returns(tmp_path: Path) -> None:
     assert collect(tmp_path / "d", tmp_path / "o", wait=20.0) == longrun.FAILED  # finished, code 0, but no results
     assert json.loads((tmp_path / "d" / "exit.json").read_text())["code"] == 0
     assert "sid True" in (tmp_path / "d" / "run.log").read_text()
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--work")
+    return ap
+
+
+def test_detach_refuses_out_and_a_run_still_going(tmp_path: Path, sleeper: subprocess.Popen[bytes]) -> None:
+    """--out is the run's own (D/out); a second detach into D while its run goes on would wipe
+    the first run's results: both refused, exit 2, nothing started."""
+    assert longrun.detach(["--out-dir", str(tmp_path / "a"), "--mode", "standin", "--out", str(tmp_path / "x")],
+                          _parser, Path("x.py")) == 2
+    assert not (tmp_path / "a").exists() and not (tmp_path / "x").exists()
+    fake_run(tmp_path / "d", sleeper.pid, {"a": "PASS"})
+    assert longrun.detach(["--out-dir", str(tmp_path / "d"), "--mode", "standin"], _parser, Path("x.py")) == 2
+    assert (tmp_path / "d" / "out" / "real-hang-standin.json").exists()

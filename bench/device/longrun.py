@@ -31,9 +31,9 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 FINISHED_PASS, FAILED, BAD_RECORD, RUNNING = 0, 1, 2, 3
 LOG_TAIL_LINES = 40
@@ -104,7 +104,8 @@ def exit_code(out_dir: Path) -> int | None:
 # ============================================================================ detach
 
 def detach(argv: list[str], parser: Callable[[], argparse.ArgumentParser], script: Path) -> int:
-    ap = argparse.ArgumentParser(prog=f"{script.name} detach", description="start the run in its own session")
+    ap = argparse.ArgumentParser(prog=f"{script.name} detach", description="start the run in its own session",
+                                 allow_abbrev=False)  # else the run's --out would be taken for --out-dir
     ap.add_argument("--out-dir", required=True, help="where run.json, run.log, out/ and exit.json go (on the device: under /tmp)")
     mine, rest = ap.parse_known_args(argv)
     if any(a == "--out" or a.startswith("--out=") for a in rest):
@@ -140,7 +141,7 @@ def detach(argv: list[str], parser: Callable[[], argparse.ArgumentParser], scrip
 
 def run_detached(argv: list[str], main: Callable[[list[str]], int]) -> int:
     """The detached process: the run, then exit.json with its code (written last: its presence means finished)."""
-    ap = argparse.ArgumentParser(prog="_detached")
+    ap = argparse.ArgumentParser(prog="_detached", allow_abbrev=False)
     ap.add_argument("--out-dir", required=True)
     mine, rest = ap.parse_known_args(argv)
     rest = rest[1:] if rest[:1] == ["--"] else rest
@@ -160,7 +161,8 @@ def run_detached(argv: list[str], main: Callable[[list[str]], int]) -> int:
 # ============================================================================ collect
 
 def collect(argv: list[str], script: Path) -> int:
-    ap = argparse.ArgumentParser(prog=f"{script.name} collect", description="wait for the detached run, copy its progress")
+    ap = argparse.ArgumentParser(prog=f"{script.name} collect", description="wait for the detached run, copy its progress",
+                                 allow_abbrev=False)
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--out", required=True, help="where its results and logs so far are copied ($OUT)")
     ap.add_argument("--wait", type=float, default=540.0, help="seconds to wait for it to finish (under ~560: one device call)")

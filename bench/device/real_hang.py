@@ -362,9 +362,13 @@ def main(argv: list[str] | None = None) -> int:
 
         def serving_again(within: float) -> None:
             """Each case starts from a serving server: one that crashed in the case before (a crash
-            restart by the daemon) is waited for, so its failure does not become the next case's."""
+            restart by the daemon) is waited for, so its failure does not become the next case's.
+            A /ready latched 503 by a /health that failed in the case before (during the pause) is
+            cleared only by a /health that succeeds, which a router's next check would send: one is
+            sent here (without it the next case waited `within` s, 180 s, for nothing)."""
             until = time.time() + within
             while time.time() < until and R.call("GET", R.SERVER_PORT, "/ready", timeout=5)[0] != 200:
+                R.call("GET", R.SERVER_PORT, "/health", timeout=30)
                 time.sleep(1)
         run.scenario("busy_first_start", "first start with CUDA-graph capture", args.start_estimate * 3,
                      lambda c, m: busy_first_start(run, c, m, d))
