@@ -29,7 +29,7 @@ trap 'rm -rf "$W"' EXIT
 mkdir "$W/s" "$W/r"
 tar -xJf "$FULL/sglang-site.tar.xz" -C "$W/s"
 rm -rf "$W/s/sglang/multimodal_gen" "$W"/s/sglang/srt/rust_extensions/_bench*.so
-if grep -rlq --include=*.py "sglang.multimodal_gen" "$W/s/sglang/srt" "$W/s/sglang/launch_server.py"; then
+if grep -rlqE --include=*.py "^\s*(from|import) sglang\.multimodal_gen" "$W/s/sglang/srt" "$W/s/sglang/launch_server.py"; then
     echo "onecall_bundle.sh: this SGLang's server imports multimodal_gen; not trimming" >&2; exit 1
 fi
 tar -xJf "$ROUTER" -C "$W/r"
@@ -39,4 +39,9 @@ rm -f "$REPO/.sgl/sglang-site.tar.xz" "$REPO/.sgl/router-site.tar.xz"
 (cd "$W/s" && tar cf - . | xz -T2 -9 > "$REPO/.sgl/sglang-site.tar.xz")
 (cd "$W/r" && tar cf - . | xz -T2 -9e > "$REPO/.sgl/router-site.tar.xz")
 cp "$FULL/mooncake-site.tar.xz" "$FULL/make_tiny_model.py" "$REPO/.sgl/"
+if [ -f "$FULL/MANIFEST.txt" ]; then
+    { cat "$FULL/MANIFEST.txt"; echo "one-call layout $(date -u +%FT%TZ) by bench/device/onecall_bundle.sh:" \
+      "sglang/multimodal_gen and rust_extensions/_bench left out; the router's symbols stripped"; } > "$REPO/.sgl/MANIFEST.txt"
+fi
+(cd "$REPO/.sgl" && sha256sum ./router-site.tar.xz ./sglang-site.tar.xz > SHA256SUMS)
 du -cb "$REPO"/.sgl/* | tail -1
