@@ -13,7 +13,8 @@
 #   - sglang/srt/rust_extensions/_bench*.so (8 MiB): only sglang/benchmark loads it.
 #   - the router's symbol table (`strip --strip-unneeded` of sglang_router_rs.abi3.so, 92 -> 72
 #     MiB): the same code; only a panic's backtrace loses its function names.
-# Sizes (2026-12-07): sglang-site 42.2 -> 38.3 MB, router-site 19.1 -> 16.6 MB; .sgl 61.6 MB,
+# bench/device/sglang_import_trace.py compares the full and the trimmed bundle's server imports
+# on CPU (2026-12-07: the same). Sizes (2026-12-07): sglang-site 42.2 -> 38.3 MB, router-site 19.1 -> 16.6 MB; .sgl 61.6 MB,
 # with the 3.6 MB tree 65.2 MB of the 67.1 MB (64 MiB) a call may carry.
 set -euo pipefail
 REPO=$(cd "${1:?usage: onecall_bundle.sh REPO}" && pwd)
