@@ -100,8 +100,6 @@ def test_a_bad_run_record_is_one_line_exit_2(tmp_path: Path, capsys: pytest.Capt
 def test_detach_starts_its_own_session_and_returns(tmp_path: Path) -> None:
     """detach returns at once; the run it starts leads a new session (it outlives the device
     command) and writes exit.json with the run's code when it ends."""
-    parser = _parser
-
     script = tmp_path / "fake_bench.py"
     script.write_text("import sys, os, time\n"
                       f"sys.path.insert(0, {str(Path(longrun.__file__).parent)!r})\n"
@@ -110,9 +108,9 @@ def test_detach_starts_its_own_session_and_returns(tmp_path: Path) -> None:
                       "    print('sid', os.getsid(0) == os.getpid(), flush=True)\n"
                       "    time.sleep(0.5)\n"
                       "    return 0\n"
-                      "sys.exit(longrun.dispatch(sys.argv[1:], main, None))\n")
+                      "sys.exit(longrun.dispatch(sys.argv[1:], main, None, None))\n")
     began = time.monotonic()
-    assert longrun.detach(["--out-dir", str(tmp_path / "d"), "--mode", "standin"], parser, script) == 0
+    assert longrun.detach(["--out-dir", str(tmp_path / "d"), "--mode", "standin"], _parser, script, _work) == 0
     assert time.monotonic() - began < 0.5
     assert collect(tmp_path / "d", tmp_path / "o", wait=0.0) == longrun.RUNNING
     assert collect(tmp_path / "d", tmp_path / "o", wait=20.0) == longrun.FAILED  # finished, code 0, but no results
@@ -128,12 +126,16 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _work(args: argparse.Namespace) -> str:
+    return str(args.work or f"/tmp/longrun-test-{args.mode}")
+
+
 def test_detach_refuses_out_and_a_run_still_going(tmp_path: Path, sleeper: subprocess.Popen[bytes]) -> None:
     """--out is the run's own (D/out); a second detach into D while its run goes on would wipe
     the first run's results: both refused, exit 2, nothing started."""
     assert longrun.detach(["--out-dir", str(tmp_path / "a"), "--mode", "standin", "--out", str(tmp_path / "x")],
-                          _parser, Path("x.py")) == 2
+                          _parser, Path("x.py"), _work) == 2
     assert not (tmp_path / "a").exists() and not (tmp_path / "x").exists()
     fake_run(tmp_path / "d", sleeper.pid, {"a": "PASS"})
-    assert longrun.detach(["--out-dir", str(tmp_path / "d"), "--mode", "standin"], _parser, Path("x.py")) == 2
+    assert longrun.detach(["--out-dir", str(tmp_path / "d"), "--mode", "standin"], _parser, Path("x.py"), _work) == 2
     assert (tmp_path / "d" / "out" / "real-hang-standin.json").exists()

@@ -103,7 +103,8 @@ def exit_code(out_dir: Path) -> int | None:
 
 # ============================================================================ detach
 
-def detach(argv: list[str], parser: Callable[[], argparse.ArgumentParser], script: Path) -> int:
+def detach(argv: list[str], parser: Callable[[], argparse.ArgumentParser], script: Path,
+           work_dir: Callable[[argparse.Namespace], str]) -> int:
     ap = argparse.ArgumentParser(prog=f"{script.name} detach", description="start the run in its own session",
                                  allow_abbrev=False)  # else the run's --out would be taken for --out-dir
     ap.add_argument("--out-dir", required=True, help="where run.json, run.log, out/ and exit.json go (on the device: under /tmp)")
@@ -124,7 +125,7 @@ def detach(argv: list[str], parser: Callable[[], argparse.ArgumentParser], scrip
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    work = getattr(args, "work", None) or f"/tmp/rsg-hang-{args.mode}"
+    work = work_dir(args)  # the bench's own choice, so that collect finds its logs where the run writes them
     cmd = [sys.executable, str(script), "_detached", "--out-dir", str(out_dir), "--", *run_argv, "--work", work]
     with open(out_dir / "run.log", "wb") as log:
         child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -237,12 +238,12 @@ def print_progress(out_dir: Path, rec: Detached) -> None:
 
 
 def dispatch(argv: list[str], main: Callable[[list[str]], int], parser: Callable[[], argparse.ArgumentParser],
-             script: Path | None = None) -> int:
+             work_dir: Callable[[argparse.Namespace], str], script: Path | None = None) -> int:
     """The script's verbs: detach, collect, _detached (the detached process itself); else the run as before."""
     script = script or Path(sys.argv[0]).resolve()
     verb, rest = (argv[0], argv[1:]) if argv else ("", [])
     if verb == "detach":
-        return detach(rest, parser, script)
+        return detach(rest, parser, script, work_dir)
     if verb == "collect":
         return collect(rest, script)
     if verb == "_detached":

@@ -333,10 +333,15 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def work_dir(args: argparse.Namespace) -> str:
+    """The run's work directory: --work, else one per mode (a detached run's logs are read there too)."""
+    return str(args.work or f"/tmp/rsg-hang-{args.mode}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     args.group, args.code, args.router, args.only = "hang", "tree", "standin", set()
-    args.work = args.work or f"/tmp/rsg-hang-{args.mode}"
+    args.work = work_dir(args)
     run = HangRun(args)
     RUN_WORK[0] = str(run.work)
     try:
@@ -412,4 +417,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(longrun.dispatch(sys.argv[1:], main, parser))
+    sys.exit(longrun.dispatch(sys.argv[1:], main, parser, work_dir))
