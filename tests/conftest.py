@@ -73,6 +73,7 @@ FAST_MODULES = frozenset({
     "test_hang_rules",
     "test_hostile_today",
     "test_longrun",
+    "test_real_hang_beside",
 })
 
 

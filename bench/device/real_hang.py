@@ -34,6 +34,13 @@ or the time it was killed (a stand-in run affords it; a real run does not, with 
 Results: $OUT/real-hang-<mode>.json (with "table") and the table on stdout.
 REAL_SGLANG_PORTS=SERVER,ROUTER,METRICS moves the ports (real_sglang's; a shared machine).
 
+--beside N puts N more servers on GPU 0 (`paused1`.. on ports SERVER_PORT+11.., mem-fraction 0.1,
+every server `share_gpus`): each is paused for --pause-s with requests held while every other case
+runs on `server` (its own pause case is left out), and its checks (paused, not killed, same PID,
+continued, serves again) are its scenario `busy_pause_beside_K`, judged once it ends. The hang
+cases then also show that killing and restarting `server` leaves its paused neighbours alone.
+N pause runs cost one pause plus N more starts, not N pauses.
+
 A run longer than one device call (bench/device/longrun.py): `detach` starts it in its own
 session (it outlives the call; /tmp survives on the warm machine) and returns; each `collect`
 waits up to --wait s, copies the results so far (saved after each case), run.log and the logs so
@@ -44,14 +51,17 @@ table, on the device machine:
 
     call 1, carry [".sgl"]:
       python3 bench/device/real_pd.py unpack && python3 bench/device/real_hang.py detach \
-        --out-dir /tmp/rh-long --mode real --pause-s 600 --pause-runs 1 --busy-runs 12 --slow-s 10 --budget 5400
+        --out-dir /tmp/rh-long --mode real --beside 6 --pause-s 600 --busy-runs 8 --slow-s 10 --budget 1200
     calls 2..n, back to back, each within 30 s of the last, until the exit code is not 3:
       python3 bench/device/real_hang.py collect --out-dir /tmp/rh-long --out $OUT --wait 540
 
-That is about 26 device minutes (measured on an H100: a start 25-85 s, the pause 611 s, one round
-of slow (10 s) + long_prefill + stall_latch about 50 s, a hang case about 46 s with its restart):
-~60 + 85 + 611 + 12 x 50 + 4 x 46 + 20 s. --busy-runs 20 makes it ~32 minutes; the issue's
-literal 20 rounds each with a 10-minute pause ~3.8 hours; --today-s 320 adds ~20 minutes.
+That is about 16 device minutes, estimated from the H100 figures (a start 25-85 s, the pause 611 s,
+one round of slow (10 s) + long_prefill + stall_latch about 50 s, a hang case about 46 s with its
+restart): ~60 + 85 + 6 x 30 (the sharers start one after another) + 611 + 30 s, with the 8 rounds
+and the 4 hang cases (~584 s) inside the pause: 6 pause runs of 10 minutes and 1 + 24 other busy
+runs. Without --beside (--pause-runs 1 --busy-runs 12): ~26 minutes for 1 pause; the issue's
+literal 20 rounds each with a 10-minute pause, one after another, ~3.8 hours; --today-s 320 adds
+~20 minutes.
 On CPU: `.venv/bin/python bench/device/real_hang.py detach --out-dir /tmp/rh-long --mode standin
 --pause-s 20 --busy-runs 2 --pause-runs 1 --slow-s 10 --standin-startup 3 --budget 880`, then
 `collect --out-dir /tmp/rh-long --out /tmp/rh-out --wait 30` until it exits 0.
@@ -79,6 +89,7 @@ PROFILE = "hang"
 OLD_PROFILE = "hang-old"
 TARGET_S = 30.0
 STALL_S = 6.0
+BESIDE_MEM = 0.1  # mem-fraction-static of each server beside `server` (0.25): at most 6 fit the 0.9 a card allows
 
 
 class HangRun(R.Run):
@@ -91,6 +102,13 @@ class HangRun(R.Run):
         shipped = shipped.replace("[servers.server.options]\n", "[servers.server.options]\nenable-metrics = true\n")
         old = shipped.replace("[servers.server.options]\n", "[servers.server.probe]\nhang_window = 0\n\n"
                                                             "[servers.server.options]\n", 1)
+        if self.args.beside:  # servers beside `server` on GPU 0, each sharing it (issue 36's share_gpus)
+            block = shipped[shipped.index("[servers.server]"):]
+            extra = "".join(block.replace("[servers.server", f"[servers.paused{k}")
+                            .replace(f"port = {R.SERVER_PORT}\n", f"port = {beside_port(k)}\n")
+                            .replace("mem-fraction-static = 0.25", f"mem-fraction-static = {BESIDE_MEM}")
+                            for k in range(1, self.args.beside + 1))
+            shipped = (shipped + extra).replace("gpus = [0]\n", "gpus = [0]\nshare_gpus = true\n")
         for name, text in ((PROFILE, shipped), (OLD_PROFILE, old)):
             (self.etc / "profiles" / f"{name}.toml").write_text(text.replace('"one server on GPU 0 (issue 27)"',
                                                                              f'"{name}: issue 38"'))
@@ -106,10 +124,10 @@ class HangRun(R.Run):
         os.replace(tmp, path)
 
 
-def admin_key() -> str | None:
-    """The admin key the daemon made for this run's server (real_sglang's admin_key() takes the
+def admin_key(server: str = "server") -> str | None:
+    """The admin key the daemon made for this run's `server` (real_sglang's admin_key() takes the
     newest of any run on the machine: another run's, on a shared one)."""
-    keys = sorted(Path(RUN_WORK[0]).glob("run/*/server.admin.key"), key=lambda p: p.stat().st_mtime, reverse=True)
+    keys = sorted(Path(RUN_WORK[0]).glob(f"run/*/{server}.admin.key"), key=lambda p: p.stat().st_mtime, reverse=True)
     return keys[0].read_text().strip() if keys else None
 
 
@@ -140,8 +158,11 @@ def long_body(run: HangRun) -> dict[str, Any]:
     return {"text": "hello", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True, "temperature": 0}}
 
 
-def no_kill(d: R.Daemon, since: float) -> list[str]:
-    return [e["msg"] for e in d.find(lambda e: e["k"] == "say" and e["f"].get("GPUSUP_EVENT") in ("hang", "unhealthy"), since)]
+def no_kill(d: R.Daemon, since: float, process: str | None = None) -> list[str]:
+    """The daemon's hang and kill lines since `since`: of `process` only, where named (a server
+    beside ones being killed on purpose)."""
+    return [e["msg"] for e in d.find(lambda e: e["k"] == "say" and e["f"].get("GPUSUP_EVENT") in ("hang", "unhealthy")
+                                     and (process is None or e["f"].get("GPUSUP_PROCESS") == process), since)]
 
 
 # ============================================================================ busy cases
@@ -153,23 +174,61 @@ def busy_first_start(run: HangRun, c: R.Check, m: dict[str, Any], d: R.Daemon) -
     c("ready, not killed while loading and capturing", not no_kill(d, 0) and not d.says("restart"), no_kill(d, 0))
 
 
-def busy_pause(run: HangRun, c: R.Check, m: dict[str, Any], d: R.Daemon) -> None:
-    key = admin_key()
-    main, *_ = run.server_pids(d)
+def busy_pause(run: HangRun, c: R.Check, m: dict[str, Any], d: R.Daemon,
+               server: str = "server", port: int = R.SERVER_PORT) -> None:
+    key = admin_key(server)
+    main, *_ = run.server_pids(d, server)
     since = time.time()
-    load = clients(R.SERVER_PORT, 2.0, 2, long_body(run))
+    load = clients(port, 2.0, 2, long_body(run))
     time.sleep(1.0)
-    status, body, _ = R.call("POST", R.SERVER_PORT, "/pause_generation", {"mode": "in_place"}, key=key)
+    status, body, _ = R.call("POST", port, "/pause_generation", {"mode": "in_place"}, key=key)
     c("paused", status == 200, (status, body[:200]))
-    m["ready_while_paused"] = R.call("GET", R.SERVER_PORT, "/ready", timeout=5)[0]
+    m["ready_while_paused"] = R.call("GET", port, "/ready", timeout=5)[0]
     time.sleep(run.args.pause_s)
-    m["killed"] = no_kill(d, since)
-    status, _, _ = R.call("POST", R.SERVER_PORT, "/continue_generation", {}, key=key)
+    m["killed"] = no_kill(d, since, server if server != "server" else None)
+    m["paused_s"] = round(time.time() - since - 1.0, 1)
+    status, _, _ = R.call("POST", port, "/continue_generation", {}, key=key)
     c("continued", status == 200, status)
     for t in load:
         t.join(120)
     c(f"paused {run.args.pause_s:g} s with requests held: not killed, same PID",
-      not m["killed"] and run.server_pids(d)[0] == main, m["killed"])
+      not m["killed"] and run.server_pids(d, server)[0] == main, m["killed"])
+    status, _, _ = R.call("POST", port, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4}}, timeout=60)
+    c("serves after the continue", status == 200, status)
+
+
+def beside_port(k: int) -> int:
+    """The port of the k-th server beside `server` (1-based): the ten above SERVER_PORT."""
+    return R.SERVER_PORT + 10 + k
+
+
+class PauseBeside(threading.Thread):
+    """The pause case on a server beside `server` (--beside), run while the other cases run on
+    `server`: the 10-minute pause costs its ten minutes once, not on top of everything else.
+    Its checks are recorded here and replayed by a scenario once it ends (a scenario's results
+    are written by the main thread only)."""
+
+    def __init__(self, run: HangRun, d: R.Daemon, k: int) -> None:
+        super().__init__(daemon=True, name=f"paused{k}")
+        self.run_, self.d, self.k = run, d, k
+        self.check, self.measured, self.error = R.Check(), {"server": f"paused{k}", "port": beside_port(k)}, ""
+        self.began = 0.0
+
+    def run(self) -> None:
+        self.began = time.time()
+        try:
+            busy_pause(self.run_, self.check, self.measured, self.d, f"paused{self.k}", beside_port(self.k))
+        except Exception as e:  # replayed as the scenario's failure
+            self.error = f"{e.__class__.__name__}: {e}"
+
+    def replay(self, c: R.Check, m: dict[str, Any]) -> None:
+        if not self.began:
+            raise R.NotRun("not started: the first start failed, or too little budget was left for the pause")
+        self.join(max(1.0, self.run_.left() - 15))
+        m.update(self.measured)
+        for item in self.check.items:
+            c(item["check"], item["ok"], item["detail"])
+        c("the pause case ended", not self.is_alive() and not self.error, self.error or ("still running" if self.is_alive() else ""))
 
 
 def busy_slow(run: HangRun, c: R.Check, m: dict[str, Any], d: R.Daemon) -> None:
@@ -328,6 +387,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--python", default=None)
     ap.add_argument("--standin-startup", type=float, default=10.0)
     ap.add_argument("--skip", default="", help="busy cases to leave out, comma-separated (pause,slow,long_prefill,stall_latch)")
+    ap.add_argument("--beside", type=int, default=0, choices=range(0, 7), metavar="N",
+                    help="N more servers on GPU 0 (share_gpus), each paused for --pause-s while every other case runs "
+                         "on `server`: the pause beside the rest instead of before it (N pause runs; none on `server`)")
     ap.add_argument("--pause-runs", type=int, default=None,
                     help="rounds that hold the pause case (the first N; default: every round): a 10-minute pause once, the short busy cases --busy-runs times")
     return ap
@@ -375,14 +437,21 @@ def main(argv: list[str] | None = None) -> int:
             while time.time() < until and R.call("GET", R.SERVER_PORT, "/ready", timeout=5)[0] != 200:
                 R.call("GET", R.SERVER_PORT, "/health", timeout=30)
                 time.sleep(1)
-        run.scenario("busy_first_start", "first start with CUDA-graph capture", args.start_estimate * 3,
+        run.scenario("busy_first_start", "first start with CUDA-graph capture", args.start_estimate * (3 + args.beside),
                      lambda c, m: busy_first_start(run, c, m, d))
+        beside = [PauseBeside(run, d, k) for k in range(1, args.beside + 1)]
+        if beside and run.results["scenarios"]["busy_first_start"]["result"] == "PASS":
+            if run.left() < args.pause_s + 60 + args.reserve:
+                beside = []  # their scenarios below say NOT RUN (budget)
+            for t in beside:
+                t.start()
+            time.sleep(3.0)  # each has paused before `server`'s first case (their load and pause take ~1 s)
         for i in range(args.busy_runs):
             for key, fn, est in (("pause", busy_pause, args.pause_s + 10), ("slow", busy_slow, args.slow_s + 30),
                                  ("long_prefill", busy_long_prefill, 60), ("stall_latch", busy_stall_latch, 35)):
                 if key in args.skip.split(","):
                     continue
-                if key == "pause" and args.pause_runs is not None and i >= args.pause_runs:
+                if key == "pause" and (args.beside or args.pause_runs is not None and i >= args.pause_runs):
                     continue
                 serving_again(args.start_estimate * 2)
                 run.scenario(f"busy_{key}_{i + 1}", f"busy: {key} (round {i + 1})", est,
@@ -391,6 +460,10 @@ def main(argv: list[str] | None = None) -> int:
             serving_again(args.start_estimate * 2)
             run.scenario(f"hang_{name}", f"hang: {name}", TARGET_S + args.start_estimate,
                          lambda c, m, h=hang: hang_case(run, c, m, d, h))
+        for t in beside or [PauseBeside(run, d, k) for k in range(1, args.beside + 1)]:
+            left = max(0.0, t.began + args.pause_s - time.time()) if t.began else args.pause_s
+            run.scenario(f"busy_pause_beside_{t.k}", f"busy: pause of paused{t.k} (port {beside_port(t.k)}) beside the cases above",
+                         left + 30, lambda c, m, t=t: t.replay(c, m))
         run.args.reserve = 0
         d.stop(60)
     finally:
@@ -402,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             table.append({"case": name, "today": f"{measured}{by_construction} by construction",
                           "now": f"{now:g} s" if now is not None else got.get("result", "NOT RUN"),
                           "bound": f"{TARGET_S:g} s", "result": got.get("result", "NOT RUN")})
-        busy = {k: v["result"] for k, v in scen.items() if k.startswith("busy_")}
+        busy = {k: v.get("result", "NOT RUN") for k, v in scen.items() if k.startswith("busy_")}
         for key in ("first_start", "pause", "slow", "long_prefill", "stall_latch"):
             runs = [r for k, r in busy.items() if k == f"busy_{key}" or k.startswith(f"busy_{key}_")]
             table.append({"case": f"busy: {key}", "today": "not killed", "bound": "0 kills",
