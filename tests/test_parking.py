@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import signal
 import subprocess
 from types import SimpleNamespace
 from typing import Any
@@ -82,8 +83,11 @@ class FakeInstance:
     def __init__(self, name: str, pids: dict[str, list[int]], gpus: list[int], ports: list[int],
                  kinds: dict[str, tuple[str, list[int]]] | None = None) -> None:
         self.name = name
-        self.processes = {n: SimpleNamespace(spawned=SimpleNamespace(group=SimpleNamespace(pids=lambda p=p: p)))
-                          for n, p in pids.items()}
+        #: what the Parker sent: (pid, signal) to a PID, ("cgroup", process, signal) to a whole cgroup
+        self.signals: list[tuple[object, ...]] = []
+        self.processes = {n: SimpleNamespace(spawned=SimpleNamespace(group=SimpleNamespace(
+            pids=lambda p=p: p, kill_all=lambda sig, n=n: self.signals.append(("cgroup", n, sig)))))
+            for n, p in pids.items()}
         self.profile = fake_profile(name, kinds or {n: ("server", ports) for n in pids}, gpus)
         self.state = InstanceState.READY
         self.stopped = ""
@@ -118,8 +122,9 @@ def setup(mem_available: int | None = 200 * GIB, **holders: int) -> tuple[Parker
     ckpt = FakeCheckpointer({101: 20 * GIB})
     inventory = FakeInventory({0: {101: 20 * 1024}, 1: {999: 1024}}, ckpt)
     said: list[str] = []
-    parker = Parker(ckpt, inventory, lambda m, _p: said.append(m), mem_available=lambda: mem_available)
     inst = FakeInstance("tp1", {"server": [100, 101]}, [0], [30000])
+    parker = Parker(ckpt, inventory, lambda m, _p: said.append(m), mem_available=lambda: mem_available,
+                    kill=lambda pid, sig: inst.signals.append((pid, sig)))
     return parker, ckpt, inst, said
 
 
@@ -299,6 +304,7 @@ def routed_setup() -> tuple[Parker, FakeCheckpointer, FakeInstance, list[str]]:
     parker, ckpt, _, said = setup()
     inst = FakeInstance("pd", {"server": [100, 101], "router": [200]}, [0], [],
                         {"server": ("server", [30000]), "router": ("router", [30001, 30091])})
+    parker.kill = lambda pid, sig: inst.signals.append((pid, sig))
     return parker, ckpt, inst, said
 
 
@@ -349,6 +355,85 @@ def test_stop_of_a_parked_profile_leaves_nothing() -> None:
     run(parker.park(inst))
     run(parker.stop(inst))
     assert inst.state == InstanceState.STOPPED and parker.parked == {}
+
+
+# ----------------------------------------------------------------------------- held while parked
+# On the real SGLang 0.5.23 (H100, driver 580, the driver API, 2026-12-07) a request sent to a
+# parked server's front end crashed its checkpointed scheduler (SIGSEGV in cudaEventQuery): the
+# rest of each parked server is held with SIGSTOP from before the lock until after the restore.
+
+
+def timeline(parker: Parker, ckpt: FakeCheckpointer, inst: FakeInstance) -> list[tuple[object, ...]]:
+    """The checkpointer's calls and the Parker's signals, in the order they happened."""
+    events: list[tuple[object, ...]] = []
+    for op in ("lock", "checkpoint", "restore", "unlock"):
+        real = getattr(ckpt, op)
+
+        def traced(pid: int, *a: Any, op: str = op, real: Any = real) -> Any:
+            events.append((op, pid))
+            return real(pid, *a)
+        setattr(ckpt, op, traced)
+    parker.kill = lambda pid, sig: events.append(("signal", pid, signal.Signals(sig).name))
+    inst.processes["server"].spawned.group.kill_all = lambda sig: events.append(("cgroup", "server", signal.Signals(sig).name))
+    return events
+
+
+def test_the_front_end_is_held_from_before_the_lock_until_after_the_restore() -> None:
+    parker, ckpt, inst, _ = setup()
+    events = timeline(parker, ckpt, inst)
+    record = run(parker.park(inst))
+    assert events == [("signal", 100, "SIGSTOP"), ("lock", 101), ("checkpoint", 101)]
+    assert record.to_json()["held"] == [{"process": "server", "pid": 100}]
+
+    async def serves() -> str:
+        return ""
+
+    async def cold_start() -> None:
+        raise AssertionError("not a cold start")
+
+    assert run(parker.restore(inst, cold_start, serves)).serve
+    assert events[3:] == [("restore", 101), ("unlock", 101), ("signal", 100, "SIGCONT")]
+
+
+def test_a_router_is_never_held() -> None:
+    parker, ckpt, inst, _ = routed_setup()
+    record = run(parker.park(inst))
+    assert [(h.process, h.pid) for h in record.held] == [("server", 100)]
+    assert inst.signals == [(100, signal.SIGSTOP)], "pid 200, the router, holds no GPU and is not held"
+
+
+def test_a_failed_park_releases_what_it_held() -> None:
+    parker, ckpt, inst, _ = setup()
+    events = timeline(parker, ckpt, inst)
+    ckpt.fail.add(("checkpoint", 101))
+    with pytest.raises(ParkRefused, match="park of tp1 failed and was undone"):
+        run(parker.park(inst))
+    assert events[0] == ("signal", 100, "SIGSTOP") and events[-1] == ("signal", 100, "SIGCONT")
+    assert inst.state == InstanceState.READY
+
+
+def test_a_held_pid_that_left_the_cgroup_is_never_signalled_again() -> None:
+    parker, ckpt, inst, _ = setup()
+    run(parker.park(inst))
+    inst.processes["server"].spawned.group.pids = lambda: [101, 555]  # 100 ended; 555 is new to it
+
+    async def serves() -> str:
+        return ""
+
+    async def cold_start() -> None:
+        raise AssertionError("not a cold start")
+
+    run(parker.restore(inst, cold_start, serves))
+    assert inst.signals == [(100, signal.SIGSTOP)], "no SIGCONT to a PID that is no longer ours, none to 555"
+
+
+def test_stop_of_a_parked_profile_kills_its_parked_servers_cgroups_then_stops_it() -> None:
+    parker, ckpt, inst, _ = routed_setup()
+    run(parker.park(inst))
+    run(parker.stop(inst, "stopped by the operator"))
+    assert ("cgroup", "server", signal.SIGKILL) in inst.signals
+    assert not any(s[:2] == ("cgroup", "router") for s in inst.signals), "only the parked servers' cgroups"
+    assert inst.state == InstanceState.STOPPED and inst.stopped == "stopped by the operator"
 
 
 # ----------------------------------------------------------------------------- the mechanisms

@@ -6,15 +6,20 @@ utility, the rehearsal's simulated one, or a fake).
               list), the host memory (MemAvailable vs the bytes + a margin), the ports the next
               profile needs (a server on one refuses; a router on one is to be stopped); then
               take it out of traffic and drain as a stop does, stop the routers in the next
-              profile's way, pause its liveness, lock and checkpoint each PID, verify every GPU
-              of the profile at its baseline. Any failure brings it back (restore, unlock,
-              liveness, the routers started again, traffic) and refuses.
-    restore   restore and unlock each PID, liveness back, the routers stopped at the park
-              started again, traffic back, one generation answered. A restore that fails (a
-              call, a router that does not start, or the generation) stops the profile and
-              starts it cold, and says so.
-    stop      a parked profile's stop ends its processes; the host copy goes with them (the
-              driver frees a dead process's), and the simulated one's file is removed.
+              profile's way, pause its liveness, hold the rest of each parked server (SIGSTOP:
+              its front end and detokenizer, so no request reaches a checkpointed scheduler;
+              parking/decisions.py says what one did on the real server), lock and checkpoint
+              each PID, verify every GPU of the profile at its baseline. Any failure brings it
+              back (restore, unlock, continue, liveness, the routers started again, traffic)
+              and refuses.
+    restore   restore and unlock each PID, continue the held ones, liveness back, the routers
+              stopped at the park started again, traffic back, one generation answered. A
+              restore that fails (a call, a router that does not start, or the generation)
+              stops the profile and starts it cold, and says so.
+    stop      a parked profile's stop kills its parked servers' cgroups (a checkpointed
+              scheduler has nothing to drain, and a held front end would not act on SIGTERM),
+              then stops it; the host copy goes with them (the driver frees a dead process's),
+              and the simulated one's file is removed.
 
 The engine owns what parking means to supervision (Instance.park/resume: no traffic, no
 liveness); this module owns the checkpoint and the GPU's word on it. Each decision it takes is
@@ -24,6 +29,8 @@ a pure function of parking/decisions.py, tested in the fast tier against parking
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Awaitable, Callable
 
@@ -36,6 +43,7 @@ from ..errors import ParkRefused, PreconditionError, StartError, one_line
 from ..parking import hostmem
 from ..parking.checkpointer import Checkpointer, CheckpointError, CheckpointState
 from ..parking.decisions import (
+    Held,
     ParkedProfile,
     ParkTarget,
     PortHolder,
@@ -43,6 +51,7 @@ from ..parking.decisions import (
     RestoreVerdict,
     baseline_problems,
     find_targets,
+    held_while_parked,
     host_memory_refusal,
     judge_restore,
     nothing_to_park_refusal,
@@ -99,13 +108,14 @@ def accepted_by(instance: Instance, name: str) -> PeerCheck:
 
 
 class Parker:
-    """Parks and restores instances on one checkpointer; `mem_available` is injectable (tests)."""
+    """Parks and restores instances on one checkpointer; `mem_available` and `kill` (how a held
+    process is signalled) are injectable (tests)."""
 
     def __init__(self, checkpointer: Checkpointer, inventory: GpuInventory, say: Say,
                  mem_available: Callable[[], int | None] = hostmem.mem_available,
-                 lock_timeout_ms: int = LOCK_TIMEOUT_MS) -> None:
+                 lock_timeout_ms: int = LOCK_TIMEOUT_MS, kill: Callable[[int, int], None] = os.kill) -> None:
         self.checkpointer, self.inventory, self.say = checkpointer, inventory, say
-        self.mem_available, self.lock_timeout_ms = mem_available, lock_timeout_ms
+        self.mem_available, self.lock_timeout_ms, self.kill = mem_available, lock_timeout_ms, kill
         self.parked: dict[str, ParkedProfile] = {}
 
     # ------------------------------------------------------------------ deciding
@@ -137,6 +147,7 @@ class Parker:
 
         async def suspend() -> str:
             done: list[int] = []
+            record.held = self._hold(instance, targets)
             try:
                 for t in targets:
                     await asyncio.to_thread(self.checkpointer.lock, t.pid, self.lock_timeout_ms)
@@ -148,6 +159,7 @@ class Parker:
                     raise CheckpointError("; ".join(problems))
             except CheckpointError as e:
                 await self._bring_back(done)
+                self._release(instance, record.held)
                 raise ParkRefused(f"park of {instance.name} failed and was undone: {e}") from None
             host = sum(self.checkpointer.host_bytes(t.pid) for t in targets)
             record.host_bytes = host or sum(t.gpu_bytes for t in targets)
@@ -159,6 +171,31 @@ class Parker:
         self.say(f"{instance.name} parked in {record.took_s:.2f} s: {record.describe()}; GPUs "
                  f"{sorted(instance.profile.gpus)} verified at their baseline", 6)
         return record
+
+    def _signal_ours(self, instance: Instance, held: list[Held], sig: int) -> None:
+        """`sig` to each held PID that is still in its process's cgroup at this moment (one that
+        ended meanwhile may be anyone's PID now); a PID gone between the read and the signal is
+        skipped."""
+        for h in held:
+            proc = instance.processes.get(h.process)
+            group = proc.spawned.group if proc is not None and proc.spawned is not None else None
+            if group is None or h.pid not in group.pids():
+                continue
+            try:
+                self.kill(h.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _hold(self, instance: Instance, targets: list[ParkTarget]) -> list[Held]:
+        """SIGSTOP the rest of each parked server before its scheduler is locked: from here no
+        request reaches it until `_release`."""
+        pids = {name: (p.spawned.group.pids() if p.spawned is not None else []) for name, p in instance.processes.items()}
+        held = held_while_parked(pids, targets)
+        self._signal_ours(instance, held, signal.SIGSTOP)
+        return held
+
+    def _release(self, instance: Instance, held: list[Held]) -> None:
+        self._signal_ours(instance, held, signal.SIGCONT)
 
     async def _bring_back(self, pids: list[int]) -> None:
         """Undo a park half done: each PID restored where checkpointed, unlocked where locked."""
@@ -202,6 +239,7 @@ class Parker:
                 for pid in record.pids:
                     await asyncio.to_thread(self.checkpointer.restore, pid)
                     await asyncio.to_thread(self.checkpointer.unlock, pid)
+                self._release(instance, record.held)  # its CUDA back: requests may reach it again
             except CheckpointError as e:
                 failure["restore"] = str(e)
                 raise
@@ -237,6 +275,13 @@ class Parker:
         await self._end(instance, record, reason)
 
     async def _end(self, instance: Instance, record: ParkedProfile, reason: str) -> None:
+        """Its parked servers' cgroups killed (exact: the cgroups we made), then the instance's
+        stop: a checkpointed scheduler has nothing to drain, and a held front end would sit on
+        SIGTERM until the stop's deadline."""
+        for name in {t.process for t in record.targets}:
+            proc = instance.processes.get(name)
+            if proc is not None and proc.spawned is not None:
+                proc.spawned.group.kill_all(signal.SIGKILL)
         await instance.stop(reason)
         forget = getattr(self.checkpointer, "forget", None)
         for pid in record.pids:

@@ -9,6 +9,14 @@ Whether the host can take it: MemAvailable against the bytes to park plus a marg
 with one line naming the three figures. The bytes to park are what the GPUs say the processes
 hold (cuda-checkpoint copies all of it, the KV pool included).
 
+Which of its processes are held while it is parked: every other process of a server whose
+scheduler is checkpointed (its front end, its detokenizer) is stopped with SIGSTOP before the
+lock and continued after the restore. On the real SGLang 0.5.23 (an H100, driver 580, the
+driver API, 2026-12-07) one request sent to a parked server's front end crashed its
+checkpointed scheduler a second later (SIGSEGV in cudaEventQuery, from the pinned host
+allocator preparing the batch): the driver's lock does not hold every CUDA call. Held, the front
+end takes no request (the kernel keeps the connection in its backlog) until the restore.
+
 Which of its processes stop while it is parked: a parked profile's processes all keep running
 (only the CUDA ones are checkpointed), so their ports stay taken. A router holds no CUDA memory
 and takes the profile out of traffic anyway: one whose port the next profile needs (pd-1p1d's
@@ -47,6 +55,25 @@ class ParkTarget:
 
 
 @dataclass(frozen=True)
+class Held:
+    """A process of a parked server that holds no GPU memory (a front end, a detokenizer), held
+    with SIGSTOP while its scheduler is checkpointed, so no request reaches the scheduler."""
+
+    process: str
+    pid: int
+
+
+def held_while_parked(pids_by_process: Mapping[str, Iterable[int]], targets: Iterable[ParkTarget]) -> list[Held]:
+    """Every PID of a process that has a checkpointed PID, other than those: the rest of each
+    parked server. A process with nothing checkpointed (a router) is not held."""
+    targets = list(targets)
+    parked = {t.pid for t in targets}
+    holding = {t.process for t in targets}
+    return [Held(name, pid) for name, pids in pids_by_process.items() if name in holding
+            for pid in sorted(set(pids)) if pid not in parked]
+
+
+@dataclass(frozen=True)
 class StoppedWhileParked:
     """A process of a parked profile stopped for the next one (a router in its way), to be
     started again at the restore; not crashed, and nothing restarts it meanwhile."""
@@ -81,6 +108,8 @@ class ParkedProfile:
     #: the ports it keeps listening on while parked (controller/parked.py: a takeover reads them)
     ports: list[int] = field(default_factory=list)
     stopped: list[StoppedWhileParked] = field(default_factory=list)
+    #: the rest of each parked server, held with SIGSTOP until the restore
+    held: list[Held] = field(default_factory=list)
 
     @property
     def pids(self) -> list[int]:
@@ -97,7 +126,8 @@ class ParkedProfile:
         return {"instance": self.instance, "mechanism": self.mechanism, "host_bytes": self.host_bytes,
                 "since": self.since, "took_s": round(self.took_s, 3), "ports": list(self.ports),
                 "pids": [{"process": t.process, "pid": t.pid, "gpu_bytes": t.gpu_bytes} for t in self.targets],
-                "stopped": [{"process": s.process, "ports": list(s.ports), "needed_by": s.needed_by} for s in self.stopped]}
+                "stopped": [{"process": s.process, "ports": list(s.ports), "needed_by": s.needed_by} for s in self.stopped],
+                "held": [{"process": h.process, "pid": h.pid} for h in self.held]}
 
 
 def find_targets(pids_by_process: Mapping[str, Iterable[int]], gpus: Iterable[GpuState]) -> list[ParkTarget]:

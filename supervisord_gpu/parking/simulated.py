@@ -7,9 +7,10 @@ baseline while the process runs on, exactly what NVML shows of a checkpointed CU
 restore renames it back, after checking the GPUs have the room again (a restore onto GPUs
 someone else filled fails, as cudaMalloc would, and the parker then cold-starts the profile).
 
-Nothing is signalled: the driver's lock blocks the process's CUDA calls, not the process, so
-its front end goes on answering; the stand-in's front end does the same. What differs: the real
-server's request waits while parked, the stand-in's is answered.
+Nothing is signalled here: the Parker holds the rest of a parked server (SIGSTOP of its front
+end and detokenizer, controller/parking.py) whatever the checkpointer, so a request sent while
+parked waits in the kernel's backlog and is answered after the restore, on the stand-in as on the
+real server (whose checkpointed scheduler crashed on one request when its front end ran on).
 
 The holding lies in its user's own directory (holders/<uid>/, writable by that user alone), so
 the renames and the removal run as that user, in a process of its own (`_as_owner`), never as
