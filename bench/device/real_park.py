@@ -113,7 +113,7 @@ class Park:
 
     def __init__(self, args: argparse.Namespace) -> None:
         ns = argparse.Namespace(mode=args.mode, group="park", out=args.out, budget=args.budget, reserve=args.reserve,
-                                code="tree", only=set(), sgl=args.sgl, unpack=args.unpack, work=args.work or f"/tmp/park-work-{args.mode}",
+                                code="tree", only=set(filter(None, args.only.split(","))), sgl=args.sgl, unpack=args.unpack, work=args.work or f"/tmp/park-work-{args.mode}",
                                 python=args.python, standin_startup=args.standin_startup, router="standin",
                                 start_estimate=args.start_estimate)
         self.run = R.Run(ns)
@@ -260,6 +260,8 @@ class Park:
 
     def p4_restore(self, c: R.Check, m: dict[str, Any]) -> None:
         inst = self.instance("solo")
+        if "other_starts" not in self.marks:  # p3 left out (--only): parked alone a while, sampled
+            time.sleep(max(1.0, self.args.hold))
         cold: list[str] = []
 
         async def cold_start() -> None:
@@ -407,6 +409,7 @@ def main() -> int:
     ap.add_argument("--work", default=None)
     ap.add_argument("--python", default=None)
     ap.add_argument("--standin-startup", type=float, default=3.0)
+    ap.add_argument("--only", default="", help="scenarios to run, comma-separated (p1_start always runs): a short call")
     ap.add_argument("--hold", type=float, default=3.0, help="seconds parked alone before the switch and after it")
     return Park(ap.parse_args()).go()
 
