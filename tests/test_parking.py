@@ -83,11 +83,12 @@ class FakeInstance:
     def __init__(self, name: str, pids: dict[str, list[int]], gpus: list[int], ports: list[int],
                  kinds: dict[str, tuple[str, list[int]]] | None = None) -> None:
         self.name = name
-        #: what the Parker sent: (pid, signal) to a PID, ("cgroup", process, signal) to a whole cgroup
+        #: what the Parker did, in order: (pid, signal) to a PID, ("kill_parked", process, why) to a
+        #: process's whole cgroup, ("stop", reason) the instance's stop
         self.signals: list[tuple[object, ...]] = []
-        self.processes = {n: SimpleNamespace(spawned=SimpleNamespace(group=SimpleNamespace(
-            pids=lambda p=p: p, kill_all=lambda sig, n=n: self.signals.append(("cgroup", n, sig)))))
-            for n, p in pids.items()}
+        self.processes = {n: SimpleNamespace(spawned=SimpleNamespace(group=SimpleNamespace(pids=lambda p=p: p)),
+                                             kill_parked=lambda why, n=n: self.signals.append(("kill_parked", n, why)))
+                          for n, p in pids.items()}
         self.profile = fake_profile(name, kinds or {n: ("server", ports) for n in pids}, gpus)
         self.state = InstanceState.READY
         self.stopped = ""
@@ -113,6 +114,7 @@ class FakeInstance:
 
     async def stop(self, reason: str = "") -> float:
         self.state, self.stopped = InstanceState.STOPPED, reason
+        self.signals.append(("stop", reason))
         return 0.0
 
 
@@ -374,7 +376,6 @@ def timeline(parker: Parker, ckpt: FakeCheckpointer, inst: FakeInstance) -> list
             return real(pid, *a)
         setattr(ckpt, op, traced)
     parker.kill = lambda pid, sig: events.append(("signal", pid, signal.Signals(sig).name))
-    inst.processes["server"].spawned.group.kill_all = lambda sig: events.append(("cgroup", "server", signal.Signals(sig).name))
     return events
 
 
@@ -431,9 +432,38 @@ def test_stop_of_a_parked_profile_kills_its_parked_servers_cgroups_then_stops_it
     parker, ckpt, inst, _ = routed_setup()
     run(parker.park(inst))
     run(parker.stop(inst, "stopped by the operator"))
-    assert ("cgroup", "server", signal.SIGKILL) in inst.signals
-    assert not any(s[:2] == ("cgroup", "router") for s in inst.signals), "only the parked servers' cgroups"
-    assert inst.state == InstanceState.STOPPED and inst.stopped == "stopped by the operator"
+    assert inst.signals[1:] == [("kill_parked", "server", "stopped by the operator: parked, nothing to drain"),
+                                ("stop", "stopped by the operator")], "the server's cgroup killed, then the stop; never the router's"
+    assert inst.state == InstanceState.STOPPED and parker.parked == {}
+
+
+@pytest.mark.parametrize("failure", ["nvml", "cancelled"])
+def test_a_park_failing_otherwise_than_a_checkpoint_error_is_undone_and_releases_the_hold(failure: str) -> None:
+    parker, ckpt, inst, _ = setup()
+    events = timeline(parker, ckpt, inst)
+    from supervisord_gpu.checks.gpus import NvmlUnavailable
+
+    def broken(indices: Any = None) -> Any:
+        if ("checkpoint", 101) in events:  # the baseline read after the checkpoint
+            raise NvmlUnavailable("NVML: driver/library version mismatch") if failure == "nvml" else asyncio.CancelledError()
+        return FakeInventory.snapshot(parker.inventory, indices)  # type: ignore[arg-type]
+
+    parker.inventory.snapshot = broken  # type: ignore[method-assign]
+    with pytest.raises((NvmlUnavailable, asyncio.CancelledError)):
+        run(parker.park(inst))
+    assert events[-3:] == [("restore", 101), ("unlock", 101), ("signal", 100, "SIGCONT")]
+    assert ckpt.states[101] == CheckpointState.RUNNING and "tp1" not in parker.parked
+
+
+def test_a_failed_park_that_cannot_bring_the_scheduler_back_keeps_its_front_end_held() -> None:
+    parker, ckpt, inst, said = setup()
+    events = timeline(parker, ckpt, inst)
+    ckpt.fail |= {("restore", 101)}
+    parker.inventory.checkpointer = None  # type: ignore[attr-defined]  # the GPU still lists 101: the park fails
+    with pytest.raises(ParkRefused):
+        run(parker.park(inst))
+    assert ("signal", 100, "SIGCONT") not in events, "a request would crash the scheduler still checkpointed"
+    assert "could not be brought back" in said[-1]
 
 
 # ----------------------------------------------------------------------------- the mechanisms

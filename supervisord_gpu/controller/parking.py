@@ -147,8 +147,9 @@ class Parker:
 
         async def suspend() -> str:
             done: list[int] = []
-            record.held = self._hold(instance, targets)
             try:
+                record.held = self._to_hold(instance, targets)  # recorded first: a failure below releases all
+                self._signal_ours(instance, record.held, signal.SIGSTOP)
                 for t in targets:
                     await asyncio.to_thread(self.checkpointer.lock, t.pid, self.lock_timeout_ms)
                     done.append(t.pid)
@@ -157,10 +158,14 @@ class Parker:
                 problems = baseline_problems(states, [t.pid for t in targets])
                 if problems:
                     raise CheckpointError("; ".join(problems))
-            except CheckpointError as e:
-                await self._bring_back(done)
-                self._release(instance, record.held)
-                raise ParkRefused(f"park of {instance.name} failed and was undone: {e}") from None
+            except BaseException as e:  # any failure (an NVML read, a signal refused, a cancel): undone
+                if await self._bring_back(done):
+                    self._release(instance, record.held)
+                # else a scheduler still checkpointed: its front end stays held, so no request crashes
+                # it; back in supervision, the hang check finds it stopped and restarts it cold
+                if isinstance(e, CheckpointError):
+                    raise ParkRefused(f"park of {instance.name} failed and was undone: {e}") from None
+                raise
             host = sum(self.checkpointer.host_bytes(t.pid) for t in targets)
             record.host_bytes = host or sum(t.gpu_bytes for t in targets)
             record.took_s = time.monotonic() - began
@@ -186,19 +191,21 @@ class Parker:
             except ProcessLookupError:
                 pass
 
-    def _hold(self, instance: Instance, targets: list[ParkTarget]) -> list[Held]:
-        """SIGSTOP the rest of each parked server before its scheduler is locked: from here no
-        request reaches it until `_release`."""
+    @staticmethod
+    def _to_hold(instance: Instance, targets: list[ParkTarget]) -> list[Held]:
+        """The rest of each parked server, SIGSTOPped before its scheduler is locked: from then
+        on no request reaches it until `_release`. (A request sent straight to its port between
+        the drain and this hold can still be in flight at the lock: docs/operations.md.)"""
         pids = {name: (p.spawned.group.pids() if p.spawned is not None else []) for name, p in instance.processes.items()}
-        held = held_while_parked(pids, targets)
-        self._signal_ours(instance, held, signal.SIGSTOP)
-        return held
+        return held_while_parked(pids, targets)
 
     def _release(self, instance: Instance, held: list[Held]) -> None:
         self._signal_ours(instance, held, signal.SIGCONT)
 
-    async def _bring_back(self, pids: list[int]) -> None:
-        """Undo a park half done: each PID restored where checkpointed, unlocked where locked."""
+    async def _bring_back(self, pids: list[int]) -> bool:
+        """Undo a park half done: each PID restored where checkpointed, unlocked where locked;
+        False when one could not be."""
+        ok = True
         for pid in pids:
             try:
                 state = await asyncio.to_thread(self.checkpointer.state, pid)
@@ -208,7 +215,9 @@ class Parker:
                 if state == CheckpointState.LOCKED:
                     await asyncio.to_thread(self.checkpointer.unlock, pid)
             except CheckpointError as e:
+                ok = False
                 self.say(f"pid {pid}: could not be brought back after a failed park: {e}", 3)
+        return ok
 
     async def restore(self, instance: Instance, cold_start: Callable[[], Awaitable[None]],
                       serves: Callable[[], Awaitable[str]] | None = None) -> RestoreVerdict:
@@ -278,10 +287,10 @@ class Parker:
         """Its parked servers' cgroups killed (exact: the cgroups we made), then the instance's
         stop: a checkpointed scheduler has nothing to drain, and a held front end would sit on
         SIGTERM until the stop's deadline."""
-        for name in {t.process for t in record.targets}:
+        for name in sorted({t.process for t in record.targets}):
             proc = instance.processes.get(name)
-            if proc is not None and proc.spawned is not None:
-                proc.spawned.group.kill_all(signal.SIGKILL)
+            if proc is not None:
+                proc.kill_parked(f"{reason}: parked, nothing to drain")
         await instance.stop(reason)
         forget = getattr(self.checkpointer, "forget", None)
         for pid in record.pids:

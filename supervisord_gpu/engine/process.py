@@ -791,6 +791,17 @@ class ManagedProcess:
             self._liveness = None
         self._set_state(ProcessState.PARKED, detail)
 
+    def kill_parked(self, why: str) -> None:
+        """A parked process's end (controller/parking.py, before its instance's stop): its cgroup
+        killed at once, where the stop's SIGTERM would wait out its deadline (a checkpointed
+        scheduler has nothing to drain; a held front end does not act on SIGTERM). Recorded as
+        ours, so its exit is not taken for an unexpected one."""
+        if self.spawned is None or self._exited.is_set():
+            return
+        self._stopping = True
+        self.signals_sent[signal.SIGKILL] = why
+        self.spawned.group.kill_all(signal.SIGKILL)
+
     def unpark(self, detail: str) -> None:
         """Restored (or a park that failed, brought back): ready again, liveness resumed."""
         self._set_state(ProcessState.READY, detail)
