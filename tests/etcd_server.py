@@ -63,8 +63,21 @@ class EtcdServer:
             return False
 
     def pause(self) -> None:
-        """etcd unreachable, as a partition looks to its clients: SIGSTOP."""
+        """etcd unreachable, as a partition looks to its clients: SIGSTOP, returning once every
+        thread of it reads stopped: a stop reaches each thread on its own, and once in CI (2-core,
+        loaded, at 2ebefbd) a read sent right after the signal was answered, so the test that
+        expects it to time out failed; waiting for state T closes that window."""
         self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                states = [Path(t, "stat").read_text().rsplit(")", 1)[1].split()[0]
+                          for t in Path(f"/proc/{self.proc.pid}/task").iterdir()]
+            except (OSError, IndexError):
+                break
+            if all(st in "Tt" for st in states):
+                return
+            time.sleep(0.01)
 
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
