@@ -81,7 +81,7 @@ def clock(monkeypatch):  # type: ignore[no-untyped-def]
     return moved
 
 
-def until(condition: Callable[[], Any], timeout: float = 3.0) -> bool:
+def until(condition: Callable[[], Any], timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
