@@ -49,7 +49,7 @@ def pytest_configure(config):  # type: ignore[no-untyped-def]
 FAST_MODULES = frozenset({
     "test_records", "test_config", "test_fuzz", "test_status_view", "test_child_output",
     "test_liveness_rules", "test_checks_gpus", "test_checks_ports", "test_preconditions",
-    "test_units_offline", "test_shm_cleanup", "test_trust_boundaries", "test_runtime_trust",
+    "test_units_offline", "test_shm_cleanup", "test_shm_watch", "test_trust_boundaries", "test_runtime_trust",
     "test_cluster_config", "test_cluster_plan", "test_cluster_records", "test_cluster_fuzz",
     "test_cluster_failures", "test_bus_errors", "test_version", "test_cluster_decisions", "test_layers",
     "test_capabilities", "test_install_quietly",
@@ -68,7 +68,7 @@ FAST_MODULES = frozenset({
     "test_cli_logs",
     "test_admin_key_rules",
     "test_gpu_sharing",
-    "test_parking",
+    "test_parking", "test_parking_saver",
     "test_routers",
     "test_hang_rules",
     "test_hostile_today",

@@ -187,3 +187,56 @@ def test_park_and_restore_through_the_controller(tmp_path, cgroups):
     asyncio.run(go())
     assert a.state == InstanceState.STOPPED and parked.parked(cfg.runtime_dir) == {}
     assert sim_holders(tmp_path) == [] and parked_files(sim) == [] and cgroups.all_pids() == []
+
+
+def test_the_kv_pool_released_before_the_park_and_a_request_sent_while_parked_answered(tmp_path, cgroups):
+    """A server with --enable-memory-saver (parking/saver.py): paused and its KV pool released
+    through its front end (with its admin key), so the checkpoint moves what is left (the stand-in
+    holds 0.5 of its memory for the pool, as the tiny model's 22.8 GB came down to 1.7 GB on the
+    H100); a request sent straight to its port while parked waits for the continue and is answered,
+    where one reaching the released pool would have crashed the scheduler."""
+    import json
+    import threading
+    import urllib.request
+
+    (port,) = free_ports(1)
+    text = server(port) + "        [servers.main.options]\n        enable-memory-saver = true\n"
+    cdir = write_config(tmp_path, {"s": text}, cgroups.root, startup=0.3)
+    inst, _ = make_instance(cdir, "s")
+    sim = SimulatedGpus(tmp_path / "simgpu")
+    said: list[str] = []
+    parker = Parker(SimulatedCheckpointer(sim), SimulatedInventory(sim, 0), lambda m, _p: said.append(m),
+                    mem_available=lambda: 64 * GIB)
+    answer: dict[str, object] = {}
+
+    def in_flight() -> None:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 2}}).encode())
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                answer["status"] = r.status
+        except OSError as e:
+            answer["error"] = repr(e)
+
+    async def go() -> None:
+        await inst.start()
+        main_pid = inst.processes["main"].pid
+        record = await parker.park(inst)
+        assert record.released == ["main"] and record.host_bytes == 500 * (1 << 20), record.to_json()
+        assert "KV pool released (main)" in status_text(inst.status())
+        assert parker.inventory.snapshot([0])[0].idle
+        sender = threading.Thread(target=in_flight)
+        sender.start()
+        await asyncio.sleep(1.0)
+        assert "status" not in answer, "answered while parked"
+        verdict = await parker.restore(inst, inst.start)
+        assert verdict.serve, verdict.say
+        await asyncio.to_thread(sender.join, 30)
+        assert answer == {"status": 200}, answer
+        assert inst.processes["main"].pid == main_pid, "restored, not restarted"
+        assert sim_holders(tmp_path), "its pool is held again"
+        await inst.stop()
+
+    asyncio.run(go())
+    assert "restored and serving" in said[-1]
+    assert parked_files(sim) == [] and cgroups.all_pids() == []

@@ -355,6 +355,37 @@ def test_no_shared_memory_or_ipc_file_of_a_killed_server_remains_and_the_other_s
     assert left == [], f"left behind by the killed server: {left}"
 
 
+def test_the_load_snapshot_segment_of_a_server_that_crashes_at_init_does_not_leak(tmp_path, cgroups):
+    """The real tp1bad (an architecture SGLang does not know) crashed a second after its scheduler
+    made /dev/shm/sglang_loads_*.shm, between two of our phase scans, and it leaked (the H100 PD
+    run of 2026-12-07). The stand-in's crash-at-init does the same; the /dev/shm watch records it."""
+    from supervisord_gpu.rehearsal.standin_server import loads_path
+
+    (port,) = free_ports(1)
+    loads_id = os.urandom(6).hex()
+    path = loads_path(loads_id)
+    env = {"SUPERVISORD_GPU_STANDIN_FAULT": "crash-at-init", "SUPERVISORD_GPU_STANDIN_LOADS_ID": loads_id}
+    text = "[restart]\nmode = \"never\"\n" + one_server(port, env)
+    cdir = write_config(tmp_path, {"p": text}, cgroups.root, startup=2.0)
+    instance, _ = make_instance(cdir, "p")
+
+    async def go() -> str:
+        try:
+            await instance.start()
+        except StartError as e:
+            return str(e)
+        return "started"
+
+    try:
+        said = asyncio.run(go())
+        assert said.startswith("server: exited during start-up"), said
+        assert "crash-at-init" in instance.processes["server"].last_error
+        assert not os.path.exists(path), f"{path} leaked"
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
 def test_sglangs_create_and_close_multimodal_segments_of_a_killed_server_go_and_another_servers_stay(tmp_path, cgroups):
     """sgl_shm_mm_<creator pid>_<hex>: created and closed at once, mapped by nobody after a crash,
     so only the creator PID in the name ties them to a server (upstream issue 40723)."""

@@ -20,7 +20,8 @@ On the device machine (no systemd, no D-Bus, no network), bundles under .sgl/ an
 `unpack` extracts each bundle present (.sgl/sglang-site.tar.xz, .sgl/mooncake-site.tar.xz,
 .sglr/router-site.tar.xz, .sglr/smg-site.tar.xz) into /tmp/sgl/<name>/ unless already there, and
 writes the tiny model (.sgl/make_tiny_model.py) to /tmp/sgl/model and its broken copy to
-/tmp/sgl/model-bad. `run` uses /tmp/sgl/* only: a warm machine's /tmp survives between calls.
+/tmp/sgl/model-bad. A torch_memory_saver wheel in any of them (.sglp/: sglang-site, the model maker
+and that wheel, the park group's one-call layout) is extracted into sglang-site. `run` uses /tmp/sgl/* only: a warm machine's /tmp survives between calls.
 
 Here, CPU only: stand-in servers on simulated GPUs, in front of them the stand-in router or a
 real one installed in this venv (sglang-router 0.3.2, smg 1.13.0):
@@ -61,6 +62,7 @@ import sys
 import threading
 import time
 import traceback
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -74,13 +76,16 @@ import real_sglang as R  # noqa: E402  (the machinery: Run, Daemon, Check, the c
 ROUTER_PORT, PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT, METRICS_PORT = (
     int(x) for x in os.environ.get("REAL_PD_PORTS", "30001,30100,30200,8998,30091").split(","))
 TP1_PORT = ROUTER_PORT
-BUNDLE_DIRS = (".sgl", ".sglr")
+BUNDLE_DIRS = (".sgl", ".sglr", ".sglp")
+#: wheels extracted into sglang-site where carried (SGLang imports them from there): the memory saver
+#: that `--enable-memory-saver` needs (issue 39's p5/p7), absent from the trimmed bundle
+SITE_WHEELS = ("torch_memory_saver-",)
 BUNDLES = ("sglang-site", "mooncake-site", "router-site", "smg-site")
 ROUTER_MODULES = {"sglang-router": "sglang_router.launch_router", "smg": "smg.launch_router",
                   "standin": "supervisord_gpu.rehearsal.standin_router"}
 ROUTER_SITES = {"sglang-router": "router-site", "smg": "smg-site"}
 PD_STOP_ORDER = ["router", "decode", "prefill"]
-BAD_ENV = {"SUPERVISORD_GPU_STANDIN_FAULT": "crash-on-start"}  # the stand-in's failure after its spawn
+BAD_ENV = {"SUPERVISORD_GPU_STANDIN_FAULT": "crash-at-init"}  # as the real tp1bad: a scheduler exception at init, before any loading line
 LONG_TOKENS = 1500  # real tiny model: ~3 ms a token; stand-in: SUPERVISORD_GPU_STANDIN_TOKEN_S x this
 
 
@@ -105,7 +110,17 @@ def cmd_unpack(args: argparse.Namespace) -> int:
             subprocess.run(["tar", "-xJf", str(tar), "-C", str(target)], check=True)
             (target / ".done").write_text(str(tar))
             report[name] = f"unpacked in {time.time() - began:.1f} s"
-    maker = REPO / ".sgl" / "make_tiny_model.py"
+    for d in BUNDLE_DIRS:
+        for whl in sorted((REPO / d).glob("*.whl")) if (REPO / d).is_dir() else []:
+            site, mark = dest / "sglang-site", dest / "sglang-site" / f".{whl.name}.done"
+            if not whl.name.startswith(SITE_WHEELS) or not (site / ".done").exists() or mark.exists():
+                continue
+            with zipfile.ZipFile(whl) as zf:
+                zf.extractall(site)
+            mark.write_text(str(whl))
+            report[whl.name] = "extracted into sglang-site"
+    maker = next((REPO / d / "make_tiny_model.py" for d in BUNDLE_DIRS if (REPO / d / "make_tiny_model.py").exists()),
+                 REPO / ".sgl" / "make_tiny_model.py")
     model = dest / "model"
     if not (model / "config.json").exists() and maker.exists():
         subprocess.run([args.python or sys.executable, str(maker), str(model)], check=True, stdout=subprocess.DEVNULL)

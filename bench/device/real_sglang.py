@@ -620,7 +620,7 @@ class Run:
         from importlib import metadata
 
         v: dict[str, Any] = {"python": sys.version.split()[0]}
-        for site, names in ((self.sgl_dir() / "sglang-site", ("sglang", "sglang-kernel")), (self.sgl_dir() / "router-site", ("sglang-router",))):
+        for site, names in ((self.sgl_dir() / "sglang-site", ("sglang", "sglang-kernel", "torch_memory_saver")), (self.sgl_dir() / "router-site", ("sglang-router",))):
             for d in metadata.distributions(path=[str(site)]):
                 if d.metadata["Name"] in names:
                     v[d.metadata["Name"]] = d.version

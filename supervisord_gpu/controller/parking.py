@@ -39,8 +39,9 @@ from ..config.model import ProcessSpec, Profile
 from ..engine.instance import Instance
 from ..engine.probe import PeerCheck, request, who_accepted
 from ..engine.traffic import ACCEPT_WAIT_S
+from ..sglang import admin_key, router_key
 from ..errors import ParkRefused, PreconditionError, StartError, one_line
-from ..parking import hostmem
+from ..parking import hostmem, saver
 from ..parking.checkpointer import Checkpointer, CheckpointError, CheckpointState
 from ..parking.decisions import (
     Held,
@@ -113,9 +114,12 @@ class Parker:
 
     def __init__(self, checkpointer: Checkpointer, inventory: GpuInventory, say: Say,
                  mem_available: Callable[[], int | None] = hostmem.mem_available,
-                 lock_timeout_ms: int = LOCK_TIMEOUT_MS, kill: Callable[[int, int], None] = os.kill) -> None:
+                 lock_timeout_ms: int = LOCK_TIMEOUT_MS, kill: Callable[[int, int], None] = os.kill,
+                 saver_post: Callable[[Instance], saver.Post] | None = None) -> None:
         self.checkpointer, self.inventory, self.say = checkpointer, inventory, say
         self.mem_available, self.lock_timeout_ms, self.kill = mem_available, lock_timeout_ms, kill
+        #: how the memory saver's calls reach an instance's servers (parking/saver.py; tests: a fake)
+        self.saver_post = saver_post or admin_post
         self.parked: dict[str, ParkedProfile] = {}
 
     # ------------------------------------------------------------------ deciding
@@ -131,8 +135,10 @@ class Parker:
         ports = ports_in_the_way(instance.name, holders, next_profile.name if next_profile else "",
                                  _ports(next_profile) if next_profile else ())
         why = nothing_to_park_refusal(instance.name, targets) or ports.refusal
-        if not why:
-            why = host_memory_refusal(instance.name, sum(t.gpu_bytes for t in targets), self.mem_available())
+        if not why:  # a memory saver's server: checked again once its KV pool is released (`park`)
+            savers = savers_of(instance, targets)
+            why = host_memory_refusal(instance.name, sum(t.gpu_bytes for t in targets if t.process not in savers),
+                                      self.mem_available())
         if why:
             raise ParkRefused(why)
         return targets, ports
@@ -145,9 +151,20 @@ class Parker:
         record = ParkedProfile(instance.name, self.checkpointer.name, targets, 0, time.time(),
                                ports=list(ports.kept), stopped=list(ports.stop))
 
+        post = self.saver_post(instance)
+
         async def suspend() -> str:
             done: list[int] = []
+            steps = saver.SaverSteps([], [])
             try:
+                if savers := savers_of(instance, targets):  # drained: pause, release the KV pool
+                    steps = await saver.release_kv(savers, post)
+                    record.released = list(steps.released)
+                    record.targets = await self._remeasured(instance, record.targets)
+                    why = host_memory_refusal(instance.name, sum(t.gpu_bytes for t in record.targets),
+                                              self.mem_available())
+                    if why:
+                        raise CheckpointError(why)
                 record.held = self._to_hold(instance, targets)  # recorded first: a failure below releases all
                 self._signal_ours(instance, record.held, signal.SIGSTOP)
                 for t in targets:
@@ -161,13 +178,15 @@ class Parker:
             except BaseException as e:  # any failure (an NVML read, a signal refused, a cancel): undone
                 if await self._bring_back(done):
                     self._release(instance, record.held)
+                    for line in await saver.undo(steps, post):  # its front end runs again: resumed, continued
+                        self.say(f"{instance.name}: after a failed park, {line}", 3)
                 # else a scheduler still checkpointed: its front end stays held, so no request crashes
                 # it; back in supervision, the hang check finds it stopped and restarts it cold
                 if isinstance(e, CheckpointError):
                     raise ParkRefused(f"park of {instance.name} failed and was undone: {e}") from None
                 raise
             host = sum(self.checkpointer.host_bytes(t.pid) for t in targets)
-            record.host_bytes = host or sum(t.gpu_bytes for t in targets)
+            record.host_bytes = host or sum(t.gpu_bytes for t in record.targets)
             record.took_s = time.monotonic() - began
             return record.describe()
 
@@ -201,6 +220,13 @@ class Parker:
 
     def _release(self, instance: Instance, held: list[Held]) -> None:
         self._signal_ours(instance, held, signal.SIGCONT)
+
+    async def _remeasured(self, instance: Instance, targets: list[ParkTarget]) -> list[ParkTarget]:
+        """The same PIDs with what they hold now (after a KV pool's release); a PID the GPUs no
+        longer list keeps 0 bytes but is still parked (its CUDA context is there)."""
+        states = await asyncio.to_thread(self.inventory.snapshot, sorted(instance.profile.gpus))
+        now = {t.pid: t.gpu_bytes for t in find_targets({t.process: [t.pid] for t in targets}, states)}
+        return [ParkTarget(t.process, t.pid, now.get(t.pid, 0)) for t in targets]
 
     async def _bring_back(self, pids: list[int]) -> bool:
         """Undo a park half done: each PID restored where checkpointed, unlocked where locked;
@@ -249,6 +275,8 @@ class Parker:
                     await asyncio.to_thread(self.checkpointer.restore, pid)
                     await asyncio.to_thread(self.checkpointer.unlock, pid)
                 self._release(instance, record.held)  # its CUDA back: requests may reach it again
+                # (paused: a request that came while parked waits at the front end for the continue)
+                await saver.resume_kv(record.released, self.saver_post(instance))
             except CheckpointError as e:
                 failure["restore"] = str(e)
                 raise
@@ -300,3 +328,28 @@ class Parker:
 
 def _ports(profile: Profile) -> set[int]:
     return {listen.port for listen in profile.listens()}
+
+
+def savers_of(instance: Instance, targets: list[ParkTarget]) -> list[str]:
+    """The parked servers started with SGLang's memory saver, whose KV pool is released first."""
+    names = sorted({t.process for t in targets})
+    argv = {n: getattr(getattr(instance.processes.get(n), "launch", None), "argv", ()) for n in names}
+    return [n for n in names if saver.uses_saver(argv[n])]
+
+
+def admin_post(instance: Instance) -> saver.Post:
+    """The memory saver's calls to a server of `instance`: its admin key (the endpoints are
+    ADMIN_OPTIONAL, sglang/admin_key.py), accepted by a process of its own cgroup only."""
+
+    async def post(server: str, path: str, body: object) -> tuple[int | None, bytes]:
+        proc = instance.processes[server]
+        headers = None
+        if proc.launch.admin_key is not None:
+            try:
+                headers = admin_key.auth_header(router_key.read_key(proc.launch.admin_key))
+            except (OSError, router_key.RouterKeyError) as e:
+                return None, f"its admin key cannot be read: {one_line(str(e))}".encode()
+        return await request("POST", proc.spec.probe_host, proc.spec.port, path, body, timeout=saver.CALL_TIMEOUT_S,
+                             headers=headers, peer_check=accepted_by(instance, server))
+
+    return post

@@ -23,6 +23,7 @@ from ..errors import StartError
 from ..ownership.base import OwnershipDriver, Spawned, SpawnRequest
 from ..ownership.files import PrivateDir, ShmTracker
 from ..ownership.procfs import cpu_ticks
+from ..ownership.shm_watch import SHM_CREATIONS
 from ..sglang import exits
 from ..sglang import logs as phases
 from ..sglang.server_metrics import MAX_BODY as METRICS_MAX_BODY
@@ -241,6 +242,10 @@ class ManagedProcess:
             user=self.launch.user,
         )
         self.spawned = await self.owner.spawn(req)
+        group = self.spawned.group
+        # a segment made and leaked between two phase scans (the real server's crash a second
+        # after its scheduler made one) is still recorded: ownership/shm_watch
+        SHM_CREATIONS.watch(self, lambda: self.shm.scan(group.pids()))
         self.sink.event(
             f"{self.name}: started pid {self.spawned.pid} in {self.spawned.group.name}",
             6,
@@ -768,6 +773,7 @@ class ManagedProcess:
 
     def _remove_leftover_files(self) -> list[str]:
         """Once its cgroup is empty: what it could not clean up itself (killed, or crashed)."""
+        SHM_CREATIONS.unwatch(self)
         removed = self.shm.remove_leftovers()
         if self.tmpdir is not None:
             removed += self.tmpdir.clear()

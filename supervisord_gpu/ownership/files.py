@@ -254,10 +254,15 @@ class ShmTracker:
     uid: int
     seen: dict[str, Ident] = field(default_factory=dict)  # NAME -> (st_dev, st_ino)
     started: dict[int, float] = field(default_factory=dict)  # pid in our cgroup -> its start (wall clock)
+    #: scans come from the event loop and from the /dev/shm watch's thread (ownership/shm_watch)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def scan(self, pids: Iterable[int]) -> None:
         """Record the /dev/shm files these PIDs (our cgroup's) map or hold, and the PIDs themselves."""
-        pids = list(pids)
+        with self.lock:
+            self._scan(list(pids))
+
+    def _scan(self, pids: list[int]) -> None:
         for pid in pids:
             if pid not in self.started:
                 began = _start_time(pid)
@@ -273,6 +278,10 @@ class ShmTracker:
 
     def remove_leftovers(self) -> list[str]:
         """After the cgroup is empty: remove what is still there, ours, the same file, and held by nobody."""
+        with self.lock:
+            return self._remove_leftovers()
+
+    def _remove_leftovers(self) -> list[str]:
         seen, started = self.seen, self.started
         self.seen, self.started = {}, {}
         with _ShmDir.open() as shm:

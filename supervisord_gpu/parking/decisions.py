@@ -110,6 +110,8 @@ class ParkedProfile:
     stopped: list[StoppedWhileParked] = field(default_factory=list)
     #: the rest of each parked server, held with SIGSTOP until the restore
     held: list[Held] = field(default_factory=list)
+    #: servers whose KV pool SGLang's memory saver released before the checkpoint (parking/saver.py)
+    released: list[str] = field(default_factory=list)
 
     @property
     def pids(self) -> list[int]:
@@ -120,14 +122,16 @@ class ParkedProfile:
         while parked, so STATUS= and `gpusupctl status` read "parked: 0 MiB on the GPU, ..."."""
         who = ", ".join(f"{t.process} pid {t.pid}" for t in self.targets)
         stopped = "".join(f"; {s.describe()}" for s in self.stopped)
-        return f"0 MiB on the GPU, {gb(self.host_bytes)} host ({who}), via {self.mechanism}{stopped}"
+        kv = f", KV pool released ({', '.join(self.released)})" if self.released else ""
+        return f"0 MiB on the GPU, {gb(self.host_bytes)} host ({who}), via {self.mechanism}{kv}{stopped}"
 
     def to_json(self) -> dict[str, object]:
         return {"instance": self.instance, "mechanism": self.mechanism, "host_bytes": self.host_bytes,
                 "since": self.since, "took_s": round(self.took_s, 3), "ports": list(self.ports),
                 "pids": [{"process": t.process, "pid": t.pid, "gpu_bytes": t.gpu_bytes} for t in self.targets],
                 "stopped": [{"process": s.process, "ports": list(s.ports), "needed_by": s.needed_by} for s in self.stopped],
-                "held": [{"process": h.process, "pid": h.pid} for h in self.held]}
+                "held": [{"process": h.process, "pid": h.pid} for h in self.held],
+                "released": list(self.released)}
 
 
 def find_targets(pids_by_process: Mapping[str, Iterable[int]], gpus: Iterable[GpuState]) -> list[ParkTarget]:

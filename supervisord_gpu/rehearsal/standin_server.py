@@ -174,6 +174,10 @@ Stand-in-only settings (environment):
                                         hold no GPU memory and check nothing
     SUPERVISORD_GPU_STANDIN_FAULT       one fault to inject (see `Fault`):
         crash-on-start                  scheduler exception half-way through the weights: crash path
+        crash-at-init                   scheduler exception 0.5 s after the schedulers start, before
+                                        any loading line (the real server's unknown architecture,
+                                        "Cannot find model module", raised in init_model_worker):
+                                        crash path; the load-snapshot segment is left
         never-ready                     the warm-up never completes: /health and /ready 503 forever
                                         (its /generate was answered: SIGTERM drains and exits 0)
         crash-after-ready:SECONDS       scheduler exception SECONDS after the first 200 answered on
@@ -222,7 +226,9 @@ little free memory on a GPU (others' live holdings) is a CUDA out-of-memory fail
 "Load weight begin".
 
 Not imitated: the random NCCL port (22000-29999), dp-attention's extra ports, SIGBUS from
-accumulated /dev/shm leftovers, the /dev/shm/sglang_loads_*.shm segment the real server leaves.
+accumulated /dev/shm leftovers. The rank-0 scheduler makes and maps SGLang's load-snapshot
+segment /dev/shm/sglang_loads_<12 hex>_<blake2s-4 of them>.shm (SUPERVISORD_GPU_STANDIN_LOADS_ID
+fixes the 12 hex) as it starts and, like the real server, never removes it, on any exit.
 
 Everything is standard library plus psutil (through simgpu), so a start costs tens of
 milliseconds and ~20 MB per process: tests run dozens of these on a 2-core machine.
@@ -277,6 +283,10 @@ ENV_HEALTH_STALL = "SUPERVISORD_GPU_STANDIN_HEALTH_STALL"
 ENV_DRAIN_POLL_S = "SUPERVISORD_GPU_STANDIN_DRAIN_POLL_S"
 ENV_SCHEDULERS = "SUPERVISORD_GPU_STANDIN_SCHEDULERS"
 ENV_MM_SHM = "SUPERVISORD_GPU_STANDIN_MM_SHM"
+ENV_LOADS_ID = "SUPERVISORD_GPU_STANDIN_LOADS_ID"
+#: SGLang's load-snapshot segment (managers/load_snapshot.py shm_path_for): made by the rank-0
+#: scheduler in Scheduler.__init__, before the model loads; no exit path of the real server unlinks it
+LOADS_PREFIX = "/dev/shm/sglang_loads_"
 # SGLang's own variables that the stand-in honours
 ENV_HEALTH_TIMEOUT = "SGLANG_HEALTH_CHECK_TIMEOUT"
 ENV_KILLPG = "SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION"
@@ -285,7 +295,7 @@ ENV_HEALTH_GENERATION = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
 
 DEFAULT_STARTUP_S = 3.0
 DEFAULT_MIB = 100000
-FAULT_KINDS = ("crash-on-start", "hang-on-term", "never-ready", "crash-after-ready", "exit-on-term-slow",
+FAULT_KINDS = ("crash-on-start", "crash-at-init", "hang-on-term", "never-ready", "crash-after-ready", "exit-on-term-slow",
                "watchdog-timeout")
 SECONDS_FAULTS = ("crash-after-ready", "exit-on-term-slow", "watchdog-timeout")
 PAUSE_MODES = ("abort", "retract", "in_place")  # PauseGenerationReqInput.mode; "abort" is the default
@@ -319,6 +329,9 @@ BUSY_PORT_TIMEOUT_S = 2.0
 DRAIN_CLOCK = "clock"
 
 # Share of STARTUP_S for each loading phase (the rest is short steps between them).
+#: SGLang's GPU_MEMORY_ALL_TYPES and the share of the held MiB each is here (_load's holds:
+#: 0.45 after the weights, 0.95 after the KV pool, 1.0 after the CUDA graphs)
+MEMORY_TAG_SHARE = {"weights": 0.45, "kv_cache": 0.5, "cuda_graph": 0.05}
 WEIGHTS_SHARE = 0.52
 KV_SHARE = 0.05
 GRAPHS_SHARE = 0.37
@@ -610,6 +623,16 @@ def _hold_real_gpu_memory(rank: int) -> object | None:
     return buf
 
 
+def loads_path(instance_id: str | None = None) -> str:
+    """SGLang's shm_path_for(instance_id), instance_id a uuid4's first 12 hex digits."""
+    import hashlib
+    import uuid
+
+    iid = instance_id or os.environ.get(ENV_LOADS_ID) or uuid.uuid4().hex[:12]
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in iid)
+    return f"{LOADS_PREFIX}{safe}_{hashlib.blake2s(iid.encode(), digest_size=4).hexdigest()}.shm"
+
+
 def _map_shm(path: str) -> tuple[int, Any]:
     """Create and map a small /dev/shm segment (what SGLang's and NCCL's shared memory look like)."""
     import mmap
@@ -666,6 +689,8 @@ def _child_body(rfd: int, ack_w: int, name: str, rank: int, shm: list[str], quie
             continue
         if data == b"q":
             for path in shm:
+                if path.startswith(LOADS_PREFIX):
+                    continue  # the real server never removes it
                 try:
                     os.unlink(path)
                 except OSError:
@@ -803,6 +828,7 @@ class StandinServer:
         self.requests: dict[str, Request] = {}
         self.last_receive = 0.0  # monotonic: the last time a generation completed
         self.paused = False  # POST /pause_generation ... /continue_generation: TokenizerManager.is_pause
+        self.released: set[str] = set()  # memory-saver tags released (/release_memory_occupation)
         self.pause_mode = "abort"
         self.resumed_at = 0.0  # monotonic: the last /continue_generation
         self.pause_cond = threading.Condition(self.lock)  # is_pause_cond
@@ -910,6 +936,9 @@ class StandinServer:
         threading.Thread(target=self._watchdog, name="subprocess-watchdog", daemon=True).start()
         if self.pd_mode == "prefill":
             threading.Thread(target=self._start_bootstrap, name="bootstrap", daemon=True).start()
+        if s.fault and s.fault.kind == "crash-at-init":
+            self._wait(0.5)
+            self.crash_exception("scheduler.init_model_worker", "injected fault crash-at-init: Cannot find model module")
         try:
             self._load()
         except StartupError as e:
@@ -1038,7 +1067,7 @@ class StandinServer:
         hold_gpu = bool(int(os.environ.get(ENV_TORCH_MIB) or 0))
         for rank in range(n):
             title = "sglang::scheduler" if self.tp == 1 else f"sglang::scheduler_TP{rank}"
-            shm = [f"/dev/shm/sgl_shm_{os.urandom(8).hex()}"]
+            shm = [f"/dev/shm/sgl_shm_{os.urandom(8).hex()}"] + ([loads_path()] if rank == 0 else [])
             if self.tp > 1:
                 shm.append(f"/dev/shm/nccl-{_alnum(6)}")
             child = spawn_child(f"scheduler_{rank}", title, rank, self.gpus[rank * per:(rank + 1) * per], shm,
@@ -1584,6 +1613,8 @@ class StandinServer:
                 pass
         for c in self.children:
             for path in c.shm:
+                if path.startswith(LOADS_PREFIX):
+                    continue  # the real server never removes it
                 try:
                     os.unlink(path)
                 except OSError:
@@ -1795,6 +1826,35 @@ class StandinServer:
             time.sleep(PAUSE_ABORT_RECHECK_S)
         return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
+    def release_memory(self, body: dict[str, Any]) -> tuple[int, Any]:
+        """POST /release_memory_occupation {"tags": [...] | null} (scheduler_components/weight_updater.py:337):
+        without --enable-memory-saver a warning and nothing freed; with it, each tag's share of the
+        held memory goes back to the (simulated) GPU, answered null. The scheduler asserts it idle
+        unless generation is paused (retract empties the running batch, in_place does not): an
+        admitted request in flight then is an AssertionError, the scheduler's crash path."""
+        tags = [t for t in (body.get("tags") or list(MEMORY_TAG_SHARE)) if t in MEMORY_TAG_SHARE]
+        if not self.args.enable_memory_saver:
+            self.log("`release_memory_occupation` will not save memory because torch_memory_saver is not enabled. "
+                     "Potential causes: `enable_memory_saver` is false, or torch_memory_saver has installation issues.",
+                     WARNING)
+            return 200, None
+        with self.lock:
+            running = [r for r in self.requests.values() if r.admitted and not r.health and not r.scheduled]
+        if running and not (self.paused and self.pause_mode == "retract"):
+            self.crash_exception("weight_updater.release_memory_occupation",
+                                 "AssertionError: release_memory_occupation should be called only when server is idle.")
+        self.released |= set(tags)
+        self._hold(1.0 - sum(MEMORY_TAG_SHARE[t] for t in self.released))
+        return 200, None
+
+    def resume_memory(self, body: dict[str, Any]) -> tuple[int, Any]:
+        """POST /resume_memory_occupation {"tags": [...] | null}: the tags' memory held again, null."""
+        tags = [t for t in (body.get("tags") or list(MEMORY_TAG_SHARE)) if t in MEMORY_TAG_SHARE]
+        if self.args.enable_memory_saver:
+            self.released -= set(tags)
+            self._hold(1.0 - sum(MEMORY_TAG_SHARE[t] for t in self.released))
+        return 200, None
+
     def continue_generation(self) -> tuple[int, dict[str, Any]]:
         """POST /continue_generation: is_pause off, waiting generations go on (tokenizer_manager.py:2282-2286).
         An UnHealthy status from a /health that failed during the pause stays: /ready stays 503."""
@@ -1945,6 +2005,10 @@ class StandinServer:
         segments: list[str] = []
         try:
             self._wait_for_pause_to_end(req)
+            if "kv_cache" in self.released and not req.health:
+                # the real 0.5.23 on an H100 (2026-12-07): a prefill writes to the released pool
+                self.crash_exception("schedule_batch.prepare_for_extend",
+                                     "ValueError: Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")
             segments = self.create_mm_segments(self.settings.mm_shm)
             self._run_on_scheduler(req, delay)
             req.scheduled = True
@@ -2158,6 +2222,14 @@ def _make_handler(app: StandinServer) -> type[JSONHandler]:
                 return
             self.send_json(*app.pause_generation(body if isinstance(body, dict) else {}))
 
+        def _memory(self, call: Callable[[dict[str, Any]], tuple[int, Any]]) -> None:
+            try:
+                body = self.read_json()
+            except ValueError:
+                self.send_json(400, {"error": {"message": "invalid JSON body"}})
+                return
+            self.send_json(*call(body if isinstance(body, dict) else {}))
+
         def _slow_down(self) -> None:
             try:
                 body = self.read_json() if self.command == "POST" else {}
@@ -2211,6 +2283,8 @@ def _make_handler(app: StandinServer) -> type[JSONHandler]:
                 "/generate": self._generate,
                 "/pause_generation": self._pause,
                 "/continue_generation": lambda: self.send_json(*app.continue_generation()),
+                "/release_memory_occupation": lambda: self._memory(app.release_memory),
+                "/resume_memory_occupation": lambda: self._memory(app.resume_memory),
                 "/slow_down": self._slow_down,
                 "/flush_cache": lambda: self.send_text(200, "Cache flushed.\n"),
             })

@@ -1,0 +1,183 @@
+"""The park with SGLang's memory saver: the KV pool released before the checkpoint, resumed after.
+
+Decisions against fakes (test_parking's FakeCheckpointer and FakeInventory, a fake `post` that
+answers as the real server did on the H100 on 2026-12-07 and gives back the pool's bytes on the
+fake GPU): the order of the calls, signals and checkpointer calls; what a failure at each step
+undoes; the host-memory check against what is left after the release; the restore's fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from supervisord_gpu.controller.parking import Parker
+from supervisord_gpu.engine.states import InstanceState
+from supervisord_gpu.errors import ParkRefused
+from supervisord_gpu.parking import saver
+from supervisord_gpu.parking.fake import FakeCheckpointer
+from test_parking import GIB, FakeInstance, FakeInventory
+
+POOL_MIB = 18 * 1024  # of the scheduler's 20 GiB: what the release frees
+
+
+class FakeServer:
+    """The server's admin endpoints as the real one answered them (200, body null); `fail` makes
+    one path answer something else; a release frees the pool on the fake GPU, a resume takes it."""
+
+    def __init__(self, inventory: FakeInventory, events: list[tuple[object, ...]]) -> None:
+        self.inventory, self.events = inventory, events
+        self.fail: dict[str, tuple[int | None, bytes]] = {}
+
+    async def post(self, server: str, path: str, body: object) -> tuple[int | None, bytes]:
+        self.events.append(("post", server, path))
+        if path in self.fail:
+            return self.fail[path]
+        if path == "/release_memory_occupation":
+            self.inventory.holders[0][101] -= POOL_MIB
+        elif path == "/resume_memory_occupation":
+            self.inventory.holders[0][101] += POOL_MIB
+        return 200, b"null"
+
+
+def saver_setup(mem_available: int = 200 * GIB, argv: tuple[str, ...] = ("python3", "-m", "sglang.launch_server",
+                                                                          "--enable-memory-saver")
+                ) -> tuple[Parker, FakeCheckpointer, FakeInstance, FakeServer, list[tuple[object, ...]], list[str]]:
+    events: list[tuple[object, ...]] = []
+    ckpt = FakeCheckpointer({101: 20 * GIB})
+    inventory = FakeInventory({0: {101: 20 * 1024}}, ckpt)
+    inst = FakeInstance("tp1", {"server": [100, 101]}, [0], [30000])
+    inst.processes["server"].launch = SimpleNamespace(argv=argv)
+    server = FakeServer(inventory, events)
+    said: list[str] = []
+
+    def checkpoint(pid: int) -> None:  # what the checkpoint moves: what the GPU holds then
+        ckpt.gpu_bytes[pid] = inventory.holders[0][pid] * 1024 * 1024
+        real_checkpoint(pid)
+
+    real_checkpoint = ckpt.checkpoint
+    ckpt.checkpoint = checkpoint  # type: ignore[method-assign]
+    for op in ("lock", "restore", "unlock"):
+        real = getattr(ckpt, op)
+
+        def traced(pid: int, *a: Any, op: str = op, real: Any = real) -> Any:
+            events.append((op, pid))
+            return real(pid, *a)
+        setattr(ckpt, op, traced)
+    parker = Parker(ckpt, inventory, lambda m, _p: said.append(m), mem_available=lambda: mem_available,
+                    kill=lambda pid, sig: events.append(("signal", pid, signal.Signals(sig).name)),
+                    saver_post=lambda _inst: server.post)
+    return parker, ckpt, inst, server, events, said
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+async def _serves() -> str:
+    return ""
+
+
+async def _not_cold() -> None:
+    raise AssertionError("not a cold start")
+
+
+def test_the_flag_is_read_off_the_servers_command_line() -> None:
+    assert saver.uses_saver(["x", "--enable-memory-saver"])
+    assert saver.uses_saver(["x", "--enable-memory-saver=true"])
+    assert not saver.uses_saver(["x", "--enable-memory-saver=false"])
+    assert not saver.uses_saver(["x", "--enable-memory-saver-extra", "--model", "--enable-memory-saver-x"])
+
+
+def test_paused_and_released_before_the_hold_resumed_and_continued_after_it() -> None:
+    """Pause (retract) and release go through the front end, so before its SIGSTOP; the resume
+    and continue after its SIGCONT; the checkpoint moves only what the release left."""
+    parker, ckpt, inst, _server, events, said = saver_setup()
+    record = run(parker.park(inst))
+    assert events == [("post", "server", "/pause_generation"), ("post", "server", "/release_memory_occupation"),
+                      ("signal", 100, "SIGSTOP"), ("lock", 101)]
+    assert record.released == ["server"] and record.to_json()["released"] == ["server"]
+    assert record.host_bytes == 2 * GIB, "the pool's 18 GiB stayed out of the checkpoint"
+    assert "KV pool released (server)" in record.describe() and "2.1 GB host" in record.describe()
+    del events[:]
+    assert run(parker.restore(inst, _not_cold, _serves)).serve
+    assert events == [("restore", 101), ("unlock", 101), ("signal", 100, "SIGCONT"),
+                      ("post", "server", "/resume_memory_occupation"), ("post", "server", "/continue_generation")]
+
+
+def test_a_server_without_the_saver_gets_no_call_and_is_checkpointed_whole() -> None:
+    parker, _ckpt, inst, _server, events, _ = saver_setup(argv=("python3", "-m", "sglang.launch_server"))
+    record = run(parker.park(inst))
+    assert not [e for e in events if e[0] == "post"]
+    assert record.released == [] and record.host_bytes == 20 * GIB
+
+
+def test_a_release_refused_is_undone_the_pause_continued_and_nothing_checkpointed() -> None:
+    parker, ckpt, inst, server, events, _ = saver_setup()
+    server.fail["/release_memory_occupation"] = (401, b'{"error":"Unauthorized"}')
+    with pytest.raises(ParkRefused) as refused:
+        run(parker.park(inst))
+    assert "server: POST /release_memory_occupation answered 401" in str(refused.value)
+    assert events == [("post", "server", "/pause_generation"), ("post", "server", "/release_memory_occupation"),
+                      ("post", "server", "/continue_generation")], "nothing resumed that was not released"
+    assert ckpt.states == {} and inst.state == InstanceState.READY
+
+
+def test_a_checkpoint_failing_after_the_release_resumes_the_pool_once_the_front_end_runs() -> None:
+    parker, ckpt, inst, _server, events, _ = saver_setup()
+    ckpt.fail.add(("checkpoint", 101))
+    with pytest.raises(ParkRefused):
+        run(parker.park(inst))
+    assert events[-5:] == [("lock", 101), ("unlock", 101), ("signal", 100, "SIGCONT"),
+                           ("post", "server", "/resume_memory_occupation"), ("post", "server", "/continue_generation")]
+    assert inst.state == InstanceState.READY
+
+
+def test_host_memory_is_judged_on_what_the_release_left() -> None:
+    """20 GiB on the GPU, 8 GiB of host: the whole server would be refused, the 2 GiB left after
+    the release fits (with the margin)."""
+    parker, _ckpt, inst, _server, _events, _ = saver_setup(mem_available=8 * GIB)
+    assert run(parker.park(inst)).host_bytes == 2 * GIB
+    parker, _ckpt, inst, _server, _events, _ = saver_setup(mem_available=8 * GIB,
+                                                          argv=("python3", "-m", "sglang.launch_server"))
+    with pytest.raises(ParkRefused, match="host memory available"):
+        run(parker.park(inst))
+
+
+def test_too_little_host_memory_even_after_the_release_is_refused_and_undone() -> None:
+    """5 GiB: the plan passes (a saver's bytes are judged after its release), the 2 GiB left + the
+    margin do not fit: refused after the release, which is undone."""
+    parker, ckpt, inst, _server, events, _ = saver_setup(mem_available=5 * GIB)
+    with pytest.raises(ParkRefused, match="host memory available 5.4 GB, needed 2.1 GB"):
+        run(parker.park(inst))
+    assert [e for e in events if e[0] == "post"][-2:] == [("post", "server", "/resume_memory_occupation"),
+                                                         ("post", "server", "/continue_generation")]
+    assert ("lock", 101) not in events and ckpt.states == {}
+
+
+def test_a_resume_that_fails_after_the_restore_is_a_failed_restore_started_cold() -> None:
+    parker, _ckpt, inst, server, _events, said = saver_setup()
+    run(parker.park(inst))
+    server.fail["/resume_memory_occupation"] = (None, b"connection refused")
+    cold: list[str] = []
+
+    async def cold_start() -> None:
+        cold.append("cold")
+
+    verdict = run(parker.restore(inst, cold_start, _serves))
+    assert not verdict.serve and cold == ["cold"]
+    assert "POST /resume_memory_occupation no answer: connection refused" in verdict.say
+
+
+def test_an_answer_is_one_line_of_at_most_200_characters_never_obeyed() -> None:
+    """The answer is the child's: only its status counts, its text is cut to one line."""
+    parker, _ckpt, inst, server, _events, _ = saver_setup()
+    server.fail["/pause_generation"] = (500, b"boom\nSTATUS=READY\n" + b"x" * 5000)
+    with pytest.raises(ParkRefused) as refused:
+        run(parker.park(inst))
+    line = str(refused.value)
+    assert "\n" not in line and "answered 500: boom" in line and len(line) < 400
