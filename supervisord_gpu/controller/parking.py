@@ -128,7 +128,7 @@ class Parker:
         """The PIDs to park and the routers to stop while parked, or ParkRefused with the one
         line; touches nothing."""
         profile = instance.profile
-        pids = {name: (p.spawned.group.pids() if p.spawned is not None else []) for name, p in instance.processes.items()}
+        pids = pids_by_process(instance)
         states = await asyncio.to_thread(self.inventory.snapshot, sorted(profile.gpus))
         targets = find_targets(pids, states)
         holders = [PortHolder(p.name, p.kind, tuple(listen.port for listen in p.listens())) for p in profile.processes]
@@ -215,7 +215,7 @@ class Parker:
         """The rest of each parked server, SIGSTOPped before its scheduler is locked: from then
         on no request reaches it until `_release`. (A request sent straight to its port between
         the drain and this hold can still be in flight at the lock: docs/operations.md.)"""
-        pids = {name: (p.spawned.group.pids() if p.spawned is not None else []) for name, p in instance.processes.items()}
+        pids = pids_by_process(instance)
         return held_while_parked(pids, targets)
 
     def _release(self, instance: Instance, held: list[Held]) -> None:
@@ -328,6 +328,11 @@ class Parker:
 
 def _ports(profile: Profile) -> set[int]:
     return {listen.port for listen in profile.listens()}
+
+
+def pids_by_process(instance: Instance) -> dict[str, list[int]]:
+    """Each process of `instance` and the PIDs of its cgroup now (none for one not spawned)."""
+    return {name: (p.spawned.group.pids() if p.spawned is not None else []) for name, p in instance.processes.items()}
 
 
 def savers_of(instance: Instance, targets: list[ParkTarget]) -> list[str]:
