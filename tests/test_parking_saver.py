@@ -19,6 +19,7 @@ from supervisord_gpu.controller.parking import Parker
 from supervisord_gpu.engine.states import InstanceState
 from supervisord_gpu.errors import ParkRefused
 from supervisord_gpu.parking import saver
+from supervisord_gpu.parking.checkpointer import CheckpointState
 from supervisord_gpu.parking.fake import FakeCheckpointer
 from test_parking import GIB, FakeInstance, FakeInventory
 
@@ -154,9 +155,77 @@ def test_too_little_host_memory_even_after_the_release_is_refused_and_undone() -
     parker, ckpt, inst, _server, events, _ = saver_setup(mem_available=5 * GIB)
     with pytest.raises(ParkRefused, match="host memory available 5.4 GB, needed 2.1 GB"):
         run(parker.park(inst))
-    assert [e for e in events if e[0] == "post"][-2:] == [("post", "server", "/resume_memory_occupation"),
-                                                         ("post", "server", "/continue_generation")]
-    assert ("lock", 101) not in events and ckpt.states == {}
+    assert events == [("post", "server", "/pause_generation"), ("post", "server", "/release_memory_occupation"),
+                      ("signal", 100, "SIGSTOP"), ("lock", 101), ("unlock", 101), ("signal", 100, "SIGCONT"),
+                      ("post", "server", "/resume_memory_occupation"), ("post", "server", "/continue_generation")]
+    assert ("checkpoint", 101) not in ckpt.calls and ckpt.states == {101: CheckpointState.RUNNING}
+
+
+def test_a_server_that_takes_its_pool_back_after_the_release_is_judged_on_what_it_holds_once_locked() -> None:
+    """Model code answers the release 200, frees the pool, and allocates it again before the
+    lock: the host memory is judged on NVML's reading once every target is locked (a locked
+    process allocates nothing), not on the reading after the release (the hostile read's HIGH)."""
+    parker, ckpt, inst, server, events, _ = saver_setup(mem_available=7 * GIB)
+    real_post = server.post
+
+    async def regrow(name: str, path: str, body: object) -> tuple[int | None, bytes]:
+        answer = await real_post(name, path, body)
+        if path == "/release_memory_occupation":
+            server.inventory.holders[0][101] += POOL_MIB  # taken back at once
+        return answer
+
+    parker.saver_post = lambda _inst: regrow
+    with pytest.raises(ParkRefused, match="needed 21.5 GB to park"):
+        run(parker.park(inst))
+    assert ("checkpoint", 101) not in ckpt.calls and inst.state == InstanceState.READY
+
+
+def test_a_release_without_an_answer_may_have_happened_so_it_is_resumed_then_continued() -> None:
+    parker, _ckpt, inst, server, events, _ = saver_setup()
+    server.fail["/release_memory_occupation"] = (None, b"timed out")
+    with pytest.raises(ParkRefused, match="no answer: timed out"):
+        run(parker.park(inst))
+    assert [e[2] for e in events if e[0] == "post"] == ["/pause_generation", "/release_memory_occupation",
+                                                        "/resume_memory_occupation", "/continue_generation"]
+
+
+def test_a_resume_that_fails_in_the_undo_leaves_the_server_paused_and_says_so() -> None:
+    """Continued with its pool released, a request would crash the scheduler: it stays paused."""
+    parker, ckpt, inst, server, events, said = saver_setup()
+    ckpt.fail.add(("checkpoint", 101))
+    server.fail["/resume_memory_occupation"] = (500, b"boom")
+    with pytest.raises(ParkRefused):
+        run(parker.park(inst))
+    assert ("post", "server", "/continue_generation") not in events
+    assert any("POST /resume_memory_occupation answered 500: boom; left paused" in m for m in said)
+
+
+def test_a_park_cancelled_during_the_release_is_undone() -> None:
+    """A cancel (the daemon's stop) between the pause and the release's answer: continued, and
+    the release, which may have happened, resumed first."""
+    parker, _ckpt, inst, server, events, _ = saver_setup()
+    started = asyncio.Event()
+
+    async def slow(name: str, path: str, body: object) -> tuple[int | None, bytes]:
+        if path == "/release_memory_occupation":
+            events.append(("post", name, path))
+            started.set()
+            await asyncio.sleep(30)
+        return await server.post(name, path, body)
+
+    parker.saver_post = lambda _inst: slow
+
+    async def go() -> None:
+        task = asyncio.create_task(parker.park(inst))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(go())
+    assert [e[2] for e in events if e[0] == "post"] == ["/pause_generation", "/release_memory_occupation",
+                                                        "/resume_memory_occupation", "/continue_generation"]
+    assert inst.state == InstanceState.READY
 
 
 def test_a_resume_that_fails_after_the_restore_is_a_failed_restore_started_cold() -> None:

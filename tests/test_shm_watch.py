@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from supervisord_gpu.ownership.files import ShmTracker
-from supervisord_gpu.ownership.shm_watch import MIN_GAP_S, ShmCreations
+from supervisord_gpu.ownership.shm_watch import _EVENT, IN_CREATE, IN_Q_OVERFLOW, MIN_GAP_S, ShmCreations, parse_events
 
 PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else os.path.realpath(sys.executable)
 
@@ -82,7 +82,7 @@ def _crash_between_scans(tracker: ShmTracker, watch: ShmCreations | None, path: 
     """The crasher's life with no phase scan of ours; only the watch (if any) can scan it."""
     proc = _as_nobody(CRASHER, path, "0.3")
     if watch is not None:
-        assert watch.watch(proc, lambda: tracker.scan([proc.pid])), watch.unavailable
+        assert watch.watch(proc, tracker.uid, lambda: tracker.scan([proc.pid])), watch.unavailable
     assert proc.stdin is not None
     proc.stdin.write("go\n")
     proc.stdin.flush()
@@ -109,13 +109,12 @@ def test_without_the_watch_the_same_leak_stays(nobody, made):
     assert os.path.exists(path)
 
 
-def test_a_flood_of_creations_buys_bounded_scans_and_no_removal(nobody, made):
-    """A local user creates thousands of files in /dev/shm: each registered process is scanned at
-    most once per MIN_GAP_S, and nothing the flood made is ours to remove."""
-    tracker = ShmTracker(nobody.pw_uid)
-    idle = _as_nobody(CRASHER, _loads_name(), "30")  # registered, holds nothing yet (waits on stdin)
-    made.append(f"/dev/shm/flood-{uuid.uuid4().hex[:8]}")
-    base = made[-1]
+def _flood(made: list[str], as_nobody: bool, n: int) -> tuple[ShmCreations, list[float], ShmTracker, float]:
+    """n files created in /dev/shm as fast as possible, by the server's user or by root (a
+    stranger to it), while one process of the server's user is registered."""
+    tracker = ShmTracker(pwd.getpwnam("nobody").pw_uid)
+    idle = _as_nobody(CRASHER, _loads_name(), "30")  # registered, holds nothing (waits on stdin)
+    base = f"/dev/shm/flood-{uuid.uuid4().hex[:8]}"
     watch = ShmCreations()
     scans: list[float] = []
 
@@ -124,24 +123,66 @@ def test_a_flood_of_creations_buys_bounded_scans_and_no_removal(nobody, made):
         tracker.scan([idle.pid])
 
     try:
-        assert watch.watch("idle", scan), watch.unavailable
+        assert watch.watch("idle", tracker.uid, scan), watch.unavailable
         began = time.monotonic()
-        flood = _as_nobody(FLOOD, base, "3000")
-        assert flood.wait(60) == 0
+        if as_nobody:
+            assert _as_nobody(FLOOD, base, str(n)).wait(60) == 0
+        else:
+            assert subprocess.run([PYTHON, "-c", FLOOD, base, str(n)], timeout=60).returncode == 0
         time.sleep(0.3)
         took = time.monotonic() - began
     finally:
         watch.unwatch("idle")
         idle.kill()
         idle.wait()
-        made.extend(f"{base}-{i}" for i in range(3000))
+        made.extend(f"{base}-{i}" for i in range(n))
+    return watch, scans, tracker, took
+
+
+def test_a_strangers_flood_of_creations_scans_nothing(nobody, made):
+    """Another user's files (root's here) in /dev/shm: read and looked up, never a scan of ours."""
+    watch, scans, tracker, _ = _flood(made, as_nobody=False, n=3000)
+    assert watch.events >= 1, "the flood was not seen"
+    assert scans == []
+    assert tracker.remove_leftovers() == []
+
+
+def test_the_server_users_own_flood_buys_bounded_scans_and_no_removal(nobody, made):
+    """The servers' user (its model code) floods: each registered process is scanned at most once
+    per MIN_GAP_S (more when its scans are slow), and nothing the flood made is ours to remove."""
+    watch, scans, tracker, took = _flood(made, as_nobody=True, n=3000)
     assert watch.events >= 1 and scans, "the flood was not seen"
     assert len(scans) <= took / MIN_GAP_S + 3, (len(scans), took)
     assert tracker.remove_leftovers() == []
-    assert all(os.path.exists(f"{base}-{i}") for i in (0, 1500, 2999))
+    assert all(os.path.exists(f) for f in made[-3000::1500])
+
+
+def test_events_are_names_without_a_slash_and_an_overflow_says_scan_everyone():
+    def event(mask: int, name: bytes, pad: int = 4) -> bytes:
+        raw = name + b"\0" * pad
+        return _EVENT.pack(1, mask, 0, len(raw)) + raw
+
+    data = event(IN_CREATE, b"sglang_loads_x.shm") + event(IN_CREATE, b"a/b") + event(IN_CREATE, b"..") \
+        + event(IN_Q_OVERFLOW, b"", 0) + event(IN_CREATE, b"cut")[:-3]
+    assert parse_events(data) == ([b"sglang_loads_x.shm"], 1)
+
+
+def test_a_watch_that_ends_says_why_and_the_next_registration_opens_a_new_one(nobody):
+    watch = ShmCreations()
+    assert watch.watch("a", 0, lambda: None)
+    fd = watch._fd
+    assert fd is not None
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, fd)  # what a watch gone bad looks like to its thread: it reads end-of-file
+    os.close(null)
+    deadline = time.monotonic() + 5
+    while not watch.unavailable and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert watch.unavailable.startswith("the watch ended: "), watch.unavailable
+    assert watch.watch("b", 0, lambda: None) and watch._fd is not None and watch.unavailable == ""
 
 
 def test_without_a_directory_to_watch_it_says_why_and_watches_nothing(tmp_path):
     watch = ShmCreations(str(tmp_path / "no-such-dir"))
-    assert watch.watch("x", lambda: None) is False
+    assert watch.watch("x", 0, lambda: None) is False
     assert "no-such-dir" in watch.unavailable and "No such file" in watch.unavailable

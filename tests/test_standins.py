@@ -947,12 +947,13 @@ def test_shm_and_ipc_files_exist_while_running_and_go_on_a_graceful_stop(procs: 
     ipc = [f for f in files if not f.startswith("/dev/shm/")]
     assert len(ipc) == 3 and all(f.startswith(str(tmp_path)) for f in ipc)  # TMPDIR honoured
     assert all(stat.S_ISSOCK(os.stat(f).st_mode) for f in ipc)
-    assert sorted(re.sub(r"[0-9a-f]{16}$|[A-Za-z0-9]{6}$", "*", f) for f in shm) == \
-        ["/dev/shm/nccl-*", "/dev/shm/nccl-*", "/dev/shm/sgl_shm_*", "/dev/shm/sgl_shm_*"]
+    assert sorted(re.sub(r"[0-9a-f]{16}$|[A-Za-z0-9]{6}$|[0-9a-f]{12}_[0-9a-f]{8}\.shm$", "*", f) for f in shm) == \
+        ["/dev/shm/nccl-*", "/dev/shm/nccl-*", "/dev/shm/sgl_shm_*", "/dev/shm/sgl_shm_*", "/dev/shm/sglang_loads_*"]
     assert set(shm) <= procs.remember_shm()  # mapped by the schedulers
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=10) == 0
-    assert [f for f in files if os.path.exists(f)] == []
+    # SGLang's load-snapshot segment outlives every exit of the real server (the supervisor removes it)
+    assert [f for f in files if os.path.exists(f)] == [f for f in shm if f.startswith(S.LOADS_PREFIX)]
 
 
 def test_shm_and_ipc_files_are_left_behind_by_a_sigkill(procs: Procs) -> None:

@@ -158,18 +158,20 @@ class Parker:
             steps = saver.SaverSteps([], [])
             try:
                 if savers := savers_of(instance, targets):  # drained: pause, release the KV pool
-                    steps = await saver.release_kv(savers, post)
+                    await saver.release_kv(savers, post, steps)
                     record.released = list(steps.released)
-                    record.targets = await self._remeasured(instance, record.targets)
-                    why = host_memory_refusal(instance.name, sum(t.gpu_bytes for t in record.targets),
-                                              self.mem_available())
-                    if why:
-                        raise CheckpointError(why)
                 record.held = self._to_hold(instance, targets)  # recorded first: a failure below releases all
                 self._signal_ours(instance, record.held, signal.SIGSTOP)
                 for t in targets:
                     await asyncio.to_thread(self.checkpointer.lock, t.pid, self.lock_timeout_ms)
                     done.append(t.pid)
+                # locked, nothing of theirs allocates: what the checkpoint moves is what the GPUs
+                # list now (a server that took its pool back after the release, or grew since the plan)
+                record.targets = await self._remeasured(instance, record.targets)
+                why = host_memory_refusal(instance.name, sum(t.gpu_bytes for t in record.targets), self.mem_available())
+                if why:
+                    raise CheckpointError(why)
+                for t in targets:
                     await asyncio.to_thread(self.checkpointer.checkpoint, t.pid)
                 states = await asyncio.to_thread(self.inventory.snapshot, sorted(instance.profile.gpus))
                 problems = baseline_problems(states, [t.pid for t in targets])

@@ -245,7 +245,10 @@ class ManagedProcess:
         group = self.spawned.group
         # a segment made and leaked between two phase scans (the real server's crash a second
         # after its scheduler made one) is still recorded: ownership/shm_watch
-        SHM_CREATIONS.watch(self, lambda: self.shm.scan(group.pids()))
+        if not SHM_CREATIONS.watch(self, self.shm.uid, lambda: self.shm.scan(group.pids())) and not SHM_CREATIONS.said:
+            SHM_CREATIONS.said = True
+            self.sink.event(f"no /dev/shm watch ({SHM_CREATIONS.unavailable}): a segment made and leaked between "
+                            "two phase scans can stay behind", 4, GPUSUP_EVENT="shm-watch")
         self.sink.event(
             f"{self.name}: started pid {self.spawned.pid} in {self.spawned.group.name}",
             6,

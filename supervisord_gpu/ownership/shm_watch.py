@@ -1,4 +1,4 @@
-"""A scan of our cgroups' /dev/shm files the moment any file is created there.
+"""A scan of our cgroups' /dev/shm files the moment their user creates a file there.
 
 `ShmTracker` records a segment only when a scan sees a PID of our cgroup map or hold it, and the
 daemon scans at its phase changes. On the real SGLang 0.5.23 (an H100, 2026-12-07) a server whose
@@ -9,21 +9,24 @@ die of SIGBUS.
 
 An inotify watch on /dev/shm (no privilege beyond reading the directory; fanotify, which names
 the creator, needs CAP_SYS_ADMIN, which the unit does not grant) wakes one thread on each file
-created or moved in. The event names no creator, so it proves nothing: it only triggers the
-registered scans, and ownership stays what `ShmTracker` proves (held or mapped by a PID of our
-cgroup, the same inode). Anyone can create files in /dev/shm, so an event costs at most one scan
-per registered process per `MIN_GAP_S`: a local user flooding the directory buys a few /proc reads
-a second, never a removal.
+created or moved in. The event proves nothing: it is a trigger. Its name is looked up once
+(`lstat` relative to a descriptor of /dev/shm) only to learn the file's owner, and only the
+processes registered under that uid are scanned; ownership stays what `ShmTracker` proves (held
+or mapped by a PID of our cgroup, the same inode). A file gone by the look-up cannot leak. So a
+local user flooding /dev/shm with files of their own costs a read and an `lstat` per event and no
+scan; a flood by the servers' own user (its model code) costs at most one scan per registered
+process per max(MIN_GAP_S, GAP_FACTOR x that process's last scan), counted from the scan's end.
+A queue overflow scans every registered process once.
 
-Without inotify (no /dev/shm, the instance limit reached) `watch` says so and the phase scans
-remain, as before.
+Without inotify (no /dev/shm, the instance limit reached) or once the thread ends on an error,
+`watch` answers False with `unavailable` saying why, and the caller says so once; the phase
+scans remain, as before.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import errno
 import os
 import select
 import struct
@@ -37,31 +40,39 @@ IN_NONBLOCK = 0o4000
 IN_CREATE = 0x100
 IN_MOVED_TO = 0x80
 IN_Q_OVERFLOW = 0x4000
-_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of name)
-#: at most one scan per registered process in this window, whatever the event rate
+_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of name, NUL-padded)
+#: the shortest gap between two scans of one registered process, from the end of the first
 MIN_GAP_S = 0.05
+#: and at least this many times that process's last scan: a scan may take 50-150 ms on a big server
+GAP_FACTOR = 10.0
+#: the longest the thread sleeps without looking again (a descriptor gone bad is seen within this)
+POLL_S = 1.0
 
 Scan = Callable[[], None]
 
 
 class ShmCreations:
-    """One inotify watch on /dev/shm for the daemon; each creation runs every registered scan."""
+    """One inotify watch on /dev/shm for the daemon; a creation by uid U scans U's registrations."""
 
     def __init__(self, directory: str = SHM_DIR) -> None:
         self.directory = directory
-        self._scans: dict[object, Scan] = {}
+        self._scans: dict[object, tuple[int, Scan]] = {}
         self._lock = threading.Lock()
         self._fd: int | None = None
+        self._dirfd: int | None = None
         self._thread: threading.Thread | None = None
         self.unavailable = ""  # why there is no watch (empty while there is one or none was tried)
-        self.events = 0  # creations seen (tests and status)
+        self.said = False  # the caller said `unavailable` once (one line per daemon, not per process)
+        self.events = 0  # events read (tests and status)
+        self.scans = 0  # scans run
 
-    def watch(self, key: object, scan: Scan) -> bool:
-        """Run `scan` on each creation in /dev/shm until `unwatch(key)`; False where no watch can be had."""
+    def watch(self, key: object, uid: int, scan: Scan) -> bool:
+        """Run `scan` when a file owned by `uid` appears in /dev/shm, until `unwatch(key)`; False
+        where no watch can be had (`unavailable` says why)."""
         with self._lock:
             if self._fd is None and not self._open():
                 return False
-            self._scans[key] = scan
+            self._scans[key] = (uid, scan)
             return True
 
     def unwatch(self, key: object) -> None:
@@ -74,63 +85,110 @@ class ShmCreations:
         if fd < 0:
             self.unavailable = f"inotify_init1: {os.strerror(ctypes.get_errno())}"
             return False
+        try:
+            dirfd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            os.close(fd)
+            self.unavailable = f"open {self.directory}: {e.strerror}"
+            return False
         if libc.inotify_add_watch(fd, os.fsencode(self.directory), IN_CREATE | IN_MOVED_TO) < 0:
             self.unavailable = f"inotify_add_watch {self.directory}: {os.strerror(ctypes.get_errno())}"
             os.close(fd)
+            os.close(dirfd)
             return False
-        self._fd = fd
-        self._thread = threading.Thread(target=self._run, name="shm-creations", daemon=True)
+        self._fd, self._dirfd, self.unavailable = fd, dirfd, ""
+        self._thread = threading.Thread(target=self._run, args=(fd, dirfd), name="shm-creations", daemon=True)
         self._thread.start()
         return True
 
-    def _run(self) -> None:
-        fd = self._fd
-        assert fd is not None
-        last: dict[object, float] = {}
-        pending: set[object] = set()  # registered processes owed a scan (one came too soon after the last)
+    def _run(self, fd: int, dirfd: int) -> None:
+        try:
+            self._loop(fd, dirfd)
+        except BaseException as e:  # noqa: BLE001  (whatever ends the thread is said, never raised)
+            with self._lock:
+                self.unavailable = f"the watch ended: {type(e).__name__}: {e}"
+                self._fd = self._dirfd = None
+                self.said = False
+            for d in (fd, dirfd):
+                try:
+                    os.close(d)
+                except OSError:
+                    pass
+
+    def _loop(self, fd: int, dirfd: int) -> None:
+        poller = select.poll()  # not select(): a descriptor above 1023 must not end the watch
+        poller.register(fd, select.POLLIN)
+        next_at: dict[object, float] = {}  # a registration's earliest next scan
+        pending: set[object] = set()  # owed a scan that came too soon after its last
         while True:
             now = time.monotonic()
-            due = [last.get(k, 0.0) + MIN_GAP_S - now for k in pending]
-            try:
-                ready, _, _ = select.select([fd], [], [], max(0.0, min(due)) if due else None)
-                if ready:
+            due = [next_at.get(k, 0.0) - now for k in pending]
+            ready = poller.poll(min(max(0.0, min(due)) if due else POLL_S, POLL_S) * 1000)
+            if ready:
+                if ready[0][1] & (select.POLLNVAL | select.POLLERR):
+                    raise OSError(f"its descriptor reads {ready[0][1]:#x} (not valid)")
+                try:
                     data = os.read(fd, 65536)
-                    self.events += _count(data)
-                    time.sleep(0.005)  # a burst (NCCL makes several) drains into one round of scans
-                    with self._lock:
-                        pending |= set(self._scans)
-            except BlockingIOError:
-                pass
-            except OSError as e:
-                if e.errno == errno.EINTR:
+                except BlockingIOError:
                     continue
-                self.unavailable = f"reading the watch: {e}"
-                return
+                except InterruptedError:
+                    continue
+                if not data:  # an inotify descriptor never reads end-of-file
+                    raise OSError("its descriptor read end-of-file")
+                names, overflow = parse_events(data)
+                self.events += len(names) + overflow
+                with self._lock:
+                    scans = dict(self._scans)
+                if overflow:
+                    pending |= set(scans)
+                else:
+                    uids = {uid for uid in (_owner(dirfd, n) for n in names) if uid is not None}
+                    pending |= {k for k, (uid, _) in scans.items() if uid in uids}
             with self._lock:
                 scans = dict(self._scans)
             pending &= set(scans)
-            now = time.monotonic()
             for key in list(pending):
-                if now - last.get(key, 0.0) < MIN_GAP_S:
-                    continue  # owed: the select's timeout brings it back when due
-                last[key] = now
+                if time.monotonic() < next_at.get(key, 0.0):
+                    continue  # owed: the poll's timeout brings it back when due
                 pending.discard(key)
+                began = time.monotonic()
                 try:
-                    scans[key]()
-                except Exception:  # a scan's failure (a PID gone, /proc unreadable) ends no watch
+                    scans[key][1]()
+                except Exception:  # noqa: BLE001  (a scan's failure, a PID gone, ends no watch)
                     pass
-            for key in [k for k in last if k not in scans]:
-                del last[key]
+                self.scans += 1
+                ended = time.monotonic()
+                next_at[key] = ended + max(MIN_GAP_S, GAP_FACTOR * (ended - began))
+            for key in [k for k in next_at if k not in scans]:
+                del next_at[key]
 
 
-def _count(data: bytes) -> int:
-    """The number of events in one read (an overflow counts as one: every scan runs anyway)."""
-    n, off = 0, 0
+def parse_events(data: bytes) -> tuple[list[bytes], int]:
+    """The names in one read of inotify events, and 1 if the queue overflowed (else 0). A
+    truncated tail is dropped; a name is the bytes up to its first NUL, never containing '/'."""
+    names: list[bytes] = []
+    overflow, off = 0, 0
     while off + _EVENT.size <= len(data):
-        _, _mask, _, length = _EVENT.unpack_from(data, off)
+        _wd, mask, _cookie, length = _EVENT.unpack_from(data, off)
+        if off + _EVENT.size + length > len(data):
+            break  # a truncated event: dropped
+        raw = data[off + _EVENT.size: off + _EVENT.size + length]
         off += _EVENT.size + length
-        n += 1
-    return n
+        if mask & IN_Q_OVERFLOW:
+            overflow = 1
+            continue
+        name = raw.split(b"\0", 1)[0]
+        if name and b"/" not in name and name not in (b".", b".."):
+            names.append(name)
+    return names, overflow
+
+
+def _owner(dirfd: int, name: bytes) -> int | None:
+    """The uid of /dev/shm/NAME now (the entry itself, never followed), None if it is gone."""
+    try:
+        return os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_uid
+    except OSError:  # gone already (cannot leak), or unreadable: no trigger
+        return None
 
 
 #: the daemon's one watch (inotify instances are a per-user limit: one, however many processes)

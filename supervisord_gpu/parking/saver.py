@@ -38,7 +38,8 @@ from .checkpointer import CheckpointError
 
 SAVER_FLAG = "--enable-memory-saver"
 KV_TAGS = ["kv_cache"]
-CALL_TIMEOUT_S = 60.0
+#: each call; the pause and the release answer in about 0.02 s on the H100
+CALL_TIMEOUT_S = 20.0
 
 #: (server, path, JSON body) -> (status or None, the answer's first bytes)
 Post = Callable[[str, str, object], Awaitable[tuple[int | None, bytes]]]
@@ -63,28 +64,38 @@ def uses_saver(argv: Iterable[str]) -> bool:
     return False
 
 
+class SaverError(CheckpointError):
+    """A memory-saver call that failed; `answered` when the server said no (so it did nothing),
+    not when the answer never came (it may have done it)."""
+
+    def __init__(self, message: str, answered: bool) -> None:
+        super().__init__(message)
+        self.answered = answered
+
+
 @dataclass
 class SaverSteps:
-    """What was done to each server, so that a failure undoes exactly that."""
+    """What may have been done to each server (recorded before each call is sent, dropped only
+    when the server answered no), so that a failure or a cancel undoes at least that."""
 
     paused: list[str]
     released: list[str]
 
 
-async def release_kv(servers: list[str], post: Post) -> SaverSteps:
-    """Pause (retract) and release the KV pool of each server, in order; on a failure, what was
-    done is undone (resumed, continued) and CheckpointError names the server, the call and the
-    answer."""
-    done = SaverSteps([], [])
-    try:
-        for server in servers:
-            for path, body in RELEASE_STEPS:
+async def release_kv(servers: list[str], post: Post, done: SaverSteps) -> None:
+    """Pause (retract) and release the KV pool of each server, in order, recording into `done`;
+    the first failure raises SaverError naming the server, the call and the answer. Undoing is
+    the caller's (`undo`, once the front ends run again): a cancel lands here too."""
+    for server in servers:
+        for path, body in RELEASE_STEPS:
+            steps = done.paused if path == "/pause_generation" else done.released
+            steps.append(server)
+            try:
                 await _call(post, server, path, body)
-                (done.paused if path == "/pause_generation" else done.released).append(server)
-    except CheckpointError:
-        await undo(done, post)
-        raise
-    return done
+            except SaverError as e:
+                if e.answered:
+                    steps.remove(server)
+                raise
 
 
 async def resume_kv(servers: list[str], post: Post) -> None:
@@ -96,16 +107,18 @@ async def resume_kv(servers: list[str], post: Post) -> None:
 
 
 async def undo(done: SaverSteps, post: Post) -> list[str]:
-    """Best effort, every step tried: resume what was released, continue what was paused.
-    Returns the failures' lines (the caller says them); none raises."""
+    """Best effort, each server on its own: resume what may have been released, then continue
+    what may have been paused. A server whose resume fails stays paused (continued, a request
+    would reach a released pool and crash it). Returns the failures' lines; none raises."""
     failures = []
     for server in done.paused:
         steps = RESUME_STEPS if server in done.released else RESUME_STEPS[1:]
         for path, body in steps:
             try:
                 await _call(post, server, path, body)
-            except CheckpointError as e:
-                failures.append(str(e))
+            except SaverError as e:
+                failures.append(str(e) + ("; left paused" if path == "/resume_memory_occupation" else ""))
+                break
     return failures
 
 
@@ -114,4 +127,4 @@ async def _call(post: Post, server: str, path: str, body: object) -> None:
     if status != 200:
         said = one_line(answer.decode(errors="replace"))[:200] if answer else ""
         got = f"answered {status}" if status is not None else "no answer"
-        raise CheckpointError(f"{server}: POST {path} {got}{': ' + said if said else ''}")
+        raise SaverError(f"{server}: POST {path} {got}{': ' + said if said else ''}", status is not None)
