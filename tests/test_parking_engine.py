@@ -240,3 +240,47 @@ def test_the_kv_pool_released_before_the_park_and_a_request_sent_while_parked_an
     asyncio.run(go())
     assert "restored and serving" in said[-1]
     assert parked_files(sim) == [] and cgroups.all_pids() == []
+
+
+def test_a_request_sent_while_parked_is_answered_and_without_the_hold_it_kills_the_scheduler(tmp_path, cgroups):
+    """The real 0.5.23 (an H100, 2026-12-07): a request that reached a checkpointed scheduler
+    killed it (SIGSEGV), and the restore fell back cold. The stand-in does the same; the
+    Parker's hold (SIGSTOP of the front end) keeps the request in the backlog until the restore."""
+    import json
+    import threading
+    import urllib.request
+
+    def send(port: int, box: dict[str, object]) -> None:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 2}}).encode())
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                box["status"] = r.status
+        except OSError as e:
+            box["error"] = type(e).__name__
+
+    a, _b, _sim, parker, said = rig(tmp_path, cgroups)
+    port = a.profile.processes[0].port
+
+    async def cycle(hold: bool) -> tuple[dict[str, object], bool]:
+        await a.start()
+        pid = a.processes["main"].pid
+        if not hold:
+            parker.kill = lambda _pid, _sig: None  # what the Parker did before the hold
+        await parker.park(a)
+        box: dict[str, object] = {}
+        sender = threading.Thread(target=send, args=(port, box))
+        sender.start()
+        await asyncio.sleep(4.0)  # long enough for a front end that runs to reach the scheduler
+        verdict = await parker.restore(a, a.start)
+        await asyncio.to_thread(sender.join, 60)
+        same = a.processes["main"].pid == pid
+        await a.stop()
+        return box, verdict.serve and same
+
+    held, restored = asyncio.run(cycle(hold=True))
+    assert held == {"status": 200} and restored, (held, said[-1])
+    cut, restored = asyncio.run(cycle(hold=False))
+    assert "status" not in cut and not restored, cut
+    assert "starting it cold instead" in said[-1], said[-1]
+    assert cgroups.all_pids() == []

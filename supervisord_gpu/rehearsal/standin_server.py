@@ -113,6 +113,14 @@ soon as HTTP is up; /generate is served from then on, also while draining. A "sc
     no output reaches the front end: every /generate and /health waits (a /health then fails and
     latches /ready), and the metrics' counters stand still; after SIGCONT all of it goes on (the
     real SGLang 0.5.23 on an H100, real-sglang-on-h200.md).
+ A request that reaches a checkpointed scheduler (its simulated holding parked by
+    parking/simulated.py): the scheduler dies of SIGSEGV and the watchdog takes the server down
+    (the real 0.5.23 on an H100, 2026-12-07, the driver API). With --enable-memory-saver,
+    POST /release_memory_occupation and /resume_memory_occupation {"tags": [...]}: each tag's
+    share of the held memory goes and comes back; a generation that reaches a released KV pool
+    crashes the scheduler (the real one: "Pointer argument (at 0) cannot be accessed from
+    Triton"); the release with a request running and generation not paused (retract) is the
+    scheduler's AssertionError, its crash path.
  Keys (srt/utils/auth.py, see standin_redaction.py): with --admin-api-key, every route SGLang marks
     ADMIN_OPTIONAL (/pause_generation, /continue_generation, /flush_cache, /release_memory_occupation,
     /slow_down, /update_weights_from_disk, ...) answers 401 {"error": "Unauthorized"} unless the
@@ -1826,6 +1834,17 @@ class StandinServer:
             time.sleep(PAUSE_ABORT_RECHECK_S)
         return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
+    def _checkpointed_scheduler(self) -> Child | None:
+        """A scheduler whose simulated GPU memory is parked (parking/simulated.py moves its
+        holding to holders/<uid>/.parked.<pid>.json): it is checkpointed."""
+        if self.sim is None:
+            return None
+        mine = self.sim.directory / "holders" / str(os.geteuid())  # only our own user's word counts
+        for c in self.schedulers():
+            if os.path.isfile(mine / f".parked.{c.pid}.json") and not os.path.islink(mine / f".parked.{c.pid}.json"):
+                return c
+        return None
+
     def release_memory(self, body: dict[str, Any]) -> tuple[int, Any]:
         """POST /release_memory_occupation {"tags": [...] | null} (scheduler_components/weight_updater.py:337):
         without --enable-memory-saver a warning and nothing freed; with it, each tag's share of the
@@ -2005,6 +2024,12 @@ class StandinServer:
         segments: list[str] = []
         try:
             self._wait_for_pause_to_end(req)
+            if (parked := self._checkpointed_scheduler()) is not None and not req.health:
+                # the real 0.5.23 on an H100 (2026-12-07, the driver API): a request that reached a
+                # checkpointed scheduler killed it a second later (SIGSEGV in cudaEventQuery, from
+                # the pinned host allocator); SGLang's watchdog then took the server down
+                os.kill(parked.pid, signal.SIGSEGV)
+                time.sleep(3 * WATCHDOG_POLL_S)
             if "kv_cache" in self.released and not req.health:
                 # the real 0.5.23 on an H100 (2026-12-07): a prefill writes to the released pool
                 self.crash_exception("schedule_batch.prepare_for_extend",
