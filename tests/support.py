@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import pwd
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +19,8 @@ import textwrap
 import time
 import uuid
 from pathlib import Path
+
+import pytest
 
 from supervisord_gpu.checks.simgpu import SimulatedGpus
 from supervisord_gpu.sglang import routers
@@ -461,3 +465,18 @@ class RequestLoop:
 
     def summary(self) -> str:
         return f"ok {self.ok}, refused {self.refused}, 503 {self.unavailable}, lost {len(self.lost)}: {self.lost[:5]}"
+
+
+def nobody_user(why: str) -> pwd.struct_passwd:
+    """The user `nobody` for a test run as root whose other party runs as nobody (through setpriv);
+    skips naming `why` where that cannot be had."""
+
+    if os.geteuid() != 0:
+        pytest.skip(f"needs root: {why}")
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux)")
+    try:
+        return pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("needs the user `nobody`")
+

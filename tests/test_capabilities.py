@@ -26,20 +26,15 @@ from pathlib import Path
 
 import pytest
 
+from support import nobody_user
+
 REPO = Path(__file__).resolve().parent.parent
 DROPPED = "-dac_override,-fowner"  # what dsv4@.service's CapabilityBoundingSet leaves out
 
 
 @pytest.fixture
 def nobody() -> pwd.struct_passwd:
-    if os.geteuid() != 0:
-        pytest.skip("needs root: the daemon's clean-up runs as root, the server as `nobody`")
-    if shutil.which("setpriv") is None:
-        pytest.skip("needs setpriv (util-linux)")
-    try:
-        return pwd.getpwnam("nobody")
-    except KeyError:
-        pytest.skip("needs the user `nobody`")
+    return nobody_user("the daemon's clean-up runs as root, the server as `nobody`")
 
 
 @pytest.fixture

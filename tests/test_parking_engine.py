@@ -38,11 +38,31 @@ def rig(tmp_path, cgroups):  # type: ignore[no-untyped-def]
     a, cfg = make_instance(cdir, "a")
     b, _ = make_instance(cdir, "b")
     rig.cfg = cfg  # type: ignore[attr-defined]
+    sim, parker, said = sim_parker(tmp_path)
+    return a, b, sim, parker, said
+
+
+def sim_parker(tmp_path) -> tuple[SimulatedGpus, Parker, list[str]]:  # type: ignore[no-untyped-def]
+    """A Parker on the simulated GPUs under tmp_path (64 GiB of host memory), and what it said."""
     sim = SimulatedGpus(tmp_path / "simgpu")
     said: list[str] = []
     parker = Parker(SimulatedCheckpointer(sim), SimulatedInventory(sim, 0), lambda m, _p: said.append(m),
                     mem_available=lambda: 64 * GIB)
-    return a, b, sim, parker, said
+    return sim, parker, said
+
+
+def send_generate(port: int, box: dict[str, object]) -> None:
+    """One /generate straight to the port (a client past any router): its status, or the error's name."""
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 2}}).encode())
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            box["status"] = r.status
+    except OSError as e:
+        box["error"] = type(e).__name__
 
 
 def parked_files(sim: SimulatedGpus) -> list[str]:
@@ -195,28 +215,14 @@ def test_the_kv_pool_released_before_the_park_and_a_request_sent_while_parked_an
     holds 0.5 of its memory for the pool, as the tiny model's 22.8 GB came down to 1.7 GB on the
     H100); a request sent straight to its port while parked waits for the continue and is answered,
     where one reaching the released pool would have crashed the scheduler."""
-    import json
     import threading
-    import urllib.request
 
     (port,) = free_ports(1)
     text = server(port) + "        [servers.main.options]\n        enable-memory-saver = true\n"
     cdir = write_config(tmp_path, {"s": text}, cgroups.root, startup=0.3)
     inst, _ = make_instance(cdir, "s")
-    sim = SimulatedGpus(tmp_path / "simgpu")
-    said: list[str] = []
-    parker = Parker(SimulatedCheckpointer(sim), SimulatedInventory(sim, 0), lambda m, _p: said.append(m),
-                    mem_available=lambda: 64 * GIB)
+    sim, parker, said = sim_parker(tmp_path)
     answer: dict[str, object] = {}
-
-    def in_flight() -> None:
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", headers={"Content-Type": "application/json"},
-                                     data=json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 2}}).encode())
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                answer["status"] = r.status
-        except OSError as e:
-            answer["error"] = repr(e)
 
     async def go() -> None:
         await inst.start()
@@ -225,7 +231,7 @@ def test_the_kv_pool_released_before_the_park_and_a_request_sent_while_parked_an
         assert record.released == ["main"] and record.host_bytes == 500 * (1 << 20), record.to_json()
         assert "KV pool released (main)" in status_text(inst.status())
         assert parker.inventory.snapshot([0])[0].idle
-        sender = threading.Thread(target=in_flight)
+        sender = threading.Thread(target=send_generate, args=(port, answer))
         sender.start()
         await asyncio.sleep(1.0)
         assert "status" not in answer, "answered while parked"
@@ -246,18 +252,7 @@ def test_a_request_sent_while_parked_is_answered_and_without_the_hold_it_kills_t
     """The real 0.5.23 (an H100, 2026-12-07): a request that reached a checkpointed scheduler
     killed it (SIGSEGV), and the restore fell back cold. The stand-in does the same; the
     Parker's hold (SIGSTOP of the front end) keeps the request in the backlog until the restore."""
-    import json
     import threading
-    import urllib.request
-
-    def send(port: int, box: dict[str, object]) -> None:
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", headers={"Content-Type": "application/json"},
-                                     data=json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 2}}).encode())
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                box["status"] = r.status
-        except OSError as e:
-            box["error"] = type(e).__name__
 
     a, _b, _sim, parker, said = rig(tmp_path, cgroups)
     port = a.profile.processes[0].port
@@ -269,7 +264,7 @@ def test_a_request_sent_while_parked_is_answered_and_without_the_hold_it_kills_t
             parker.kill = lambda _pid, _sig: None  # what the Parker did before the hold
         await parker.park(a)
         box: dict[str, object] = {}
-        sender = threading.Thread(target=send, args=(port, box))
+        sender = threading.Thread(target=send_generate, args=(port, box))
         sender.start()
         await asyncio.sleep(4.0)  # long enough for a front end that runs to reach the scheduler
         verdict = await parker.restore(a, a.start)

@@ -14,15 +14,14 @@ import socket
 import time
 
 from supervisord_gpu.api.notify import status_text
-from supervisord_gpu.checks.gpus import SimulatedInventory
 from supervisord_gpu.checks.ports import check_ports
 from supervisord_gpu.checks.simgpu import SimulatedGpus
-from supervisord_gpu.controller.parking import Parker, one_generation
+from supervisord_gpu.controller.parking import one_generation
 from supervisord_gpu.engine.states import InstanceState, ProcessState
 from supervisord_gpu.errors import ParkRefused
 from supervisord_gpu.parking.checkpointer import CheckpointError
-from supervisord_gpu.parking.decisions import GIB
 from supervisord_gpu.parking.simulated import SimulatedCheckpointer
+from test_parking_engine import sim_parker
 from support import free_ports, make_instance, sim_holders, write_config
 
 
@@ -41,10 +40,7 @@ def test_a_routed_profile_is_restored_warm_not_started_cold(tmp_path, cgroups):
         """
     cdir = write_config(tmp_path, {"a": routed}, cgroups.root, startup=0.3)
     a, _cfg = make_instance(cdir, "a")
-    sim = SimulatedGpus(tmp_path / "simgpu")
-    said: list[str] = []
-    parker = Parker(SimulatedCheckpointer(sim), SimulatedInventory(sim, 0), lambda m, _p: said.append(m),
-                    mem_available=lambda: 64 * GIB)
+    sim, parker, said = sim_parker(tmp_path)
 
     async def go() -> None:
         await a.start()
@@ -87,10 +83,7 @@ def two_on_one_router_port(tmp_path, cgroups):  # type: ignore[no-untyped-def]
                         cgroups.root, startup=0.3)
     a, _cfg = make_instance(cdir, "a")
     b, _ = make_instance(cdir, "b")
-    sim = SimulatedGpus(tmp_path / "simgpu")
-    said: list[str] = []
-    parker = Parker(SimulatedCheckpointer(sim), SimulatedInventory(sim, 0), lambda m, _p: said.append(m),
-                    mem_available=lambda: 64 * GIB)
+    sim, parker, said = sim_parker(tmp_path)
     return a, b, parker, said, router_port
 
 

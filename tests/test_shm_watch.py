@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import os
 import pwd
-import shutil
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
+from support import nobody_user
 from supervisord_gpu.ownership.files import ShmTracker
 from supervisord_gpu.ownership.shm_watch import _EVENT, IN_CREATE, IN_Q_OVERFLOW, MIN_GAP_S, ShmCreations, parse_events
 
@@ -50,14 +49,7 @@ for i in range(int(sys.argv[2])):
 
 @pytest.fixture
 def nobody() -> pwd.struct_passwd:
-    if os.geteuid() != 0:
-        pytest.skip("needs root: the clean-up runs as root and the server user as `nobody`")
-    if shutil.which("setpriv") is None:
-        pytest.skip("needs setpriv (util-linux)")
-    try:
-        return pwd.getpwnam("nobody")
-    except KeyError:
-        pytest.skip("needs the user `nobody`")
+    return nobody_user("the clean-up runs as root and the server user as `nobody`")
 
 
 @pytest.fixture

@@ -200,6 +200,20 @@ class Park:
         m[f"{name}_start_to_ready_s"] = round(time.time() - t, 1)
         return inst
 
+    def restore(self, inst: Any, m: dict[str, Any]) -> tuple[Any, list[str], float]:
+        """The Parker's restore, timed into m["restore_to_serving_s"]: its verdict, ["cold"] when it
+        fell back, and when it began (the end of the parked window)."""
+        cold: list[str] = []
+
+        async def cold_start() -> None:
+            cold.append("cold")
+            await inst.start()
+
+        t = time.time()
+        verdict = self.do(self.parker.restore(inst, cold_start))
+        m["restore_to_serving_s"] = round(time.time() - t, 2)
+        return verdict, cold, t
+
     def key(self, instance: str) -> str | None:
         """The admin key the daemon made for INSTANCE's server (the operator reads it as root)."""
         path = self.run.work / "run" / instance / "server.admin.key"
@@ -272,15 +286,7 @@ class Park:
         inst = self.instance("solo")
         if "other_starts" not in self.marks:  # p3 left out (--only): parked alone a while, sampled
             time.sleep(max(1.0, self.args.hold))
-        cold: list[str] = []
-
-        async def cold_start() -> None:
-            cold.append("cold")
-            await inst.start()
-
-        t = time.time()
-        verdict = self.do(self.parker.restore(inst, cold_start))
-        m["restore_to_serving_s"] = round(time.time() - t, 2)
+        verdict, cold, t = self.restore(inst, m)
         mk = self.marks
         window = (self.run.gpu.window(mk["parked"], mk.get("other_starts", t))
                   + (self.run.gpu.window(mk["other_stopped"], t) if "other_stopped" in mk else []))
@@ -415,15 +421,7 @@ class Park:
             m["max_used_while_parked_mib"] = max((u for _, u, _ in window), default=None)
             c("every GPU sample at baseline while parked", bool(window) and all(
                 u - self.run.baseline <= R.IDLE_TOLERANCE_MIB for _, u, _ in window), m["max_used_while_parked_mib"])
-            cold: list[str] = []
-
-            async def cold_start() -> None:
-                cold.append("cold")
-                await inst.start()
-
-            t = time.time()
-            verdict = self.do(self.parker.restore(inst, cold_start))
-            m["restore_to_serving_s"] = round(time.time() - t, 2)
+            verdict, cold, _ = self.restore(inst, m)
         finally:
             for op in ("restore", "unlock"):
                 with contextlib.suppress(AttributeError):
