@@ -250,3 +250,60 @@ def test_an_answer_is_one_line_of_at_most_200_characters_never_obeyed() -> None:
         run(parker.park(inst))
     line = str(refused.value)
     assert "\n" not in line and "answered 500: boom" in line and len(line) < 400
+
+
+def test_a_tp_server_is_judged_on_every_schedulers_bytes_after_the_release() -> None:
+    """TP2: two scheduler PIDs under one process name, 20 GiB each, 2 GiB each after the release:
+    4 GiB to park, which 7 GiB of host memory does not cover with the margin (the second read of
+    the fix: counting only the last PID of a process said 2 GiB and parked)."""
+    events: list[tuple[object, ...]] = []
+    ckpt = FakeCheckpointer({101: 20 * GIB, 102: 20 * GIB})
+    inventory = FakeInventory({0: {101: 20 * 1024}, 1: {102: 20 * 1024}}, ckpt)
+    inst = FakeInstance("tp2", {"server": [100, 101, 102]}, [0, 1], [30000])
+    inst.processes["server"].launch = SimpleNamespace(argv=("sglang", "--enable-memory-saver"))
+
+    async def post(server: str, path: str, body: object) -> tuple[int | None, bytes]:
+        events.append(("post", server, path))
+        if path == "/release_memory_occupation":
+            for gpu, pid in ((0, 101), (1, 102)):
+                inventory.holders[gpu][pid] -= POOL_MIB
+        elif path == "/resume_memory_occupation":
+            for gpu, pid in ((0, 101), (1, 102)):
+                inventory.holders[gpu][pid] += POOL_MIB
+        return 200, b"null"
+
+    parker = Parker(ckpt, inventory, lambda m, _p: None, mem_available=lambda: 7 * GIB,
+                    kill=lambda pid, sig: None, saver_post=lambda _inst: post)
+    with pytest.raises(ParkRefused, match="needed 4.3 GB to park"):
+        run(parker.park(inst))
+    assert ("checkpoint", 101) not in ckpt.calls and ("checkpoint", 102) not in ckpt.calls
+
+
+def test_a_park_cancelled_during_a_lock_waits_for_it_and_unlocks() -> None:
+    """The lock runs in a thread: a cancel while it runs waits for it, then the undo unlocks (the
+    second read: the PID, not yet in the undo's list, stayed locked)."""
+    import threading
+
+    parker, ckpt, inst, _server, events, _ = saver_setup(argv=("python3", "-m", "sglang.launch_server"))
+    entered, go_on = threading.Event(), threading.Event()
+    real_lock = ckpt.lock
+
+    def slow_lock(pid: int, timeout_ms: int) -> None:
+        entered.set()
+        go_on.wait(10)
+        real_lock(pid, timeout_ms)
+
+    ckpt.lock = slow_lock  # type: ignore[method-assign]
+
+    async def go() -> None:
+        task = asyncio.create_task(parker.park(inst))
+        await asyncio.to_thread(entered.wait, 10)
+        task.cancel()
+        await asyncio.sleep(0.1)
+        go_on.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(go())
+    assert ckpt.states.get(101, CheckpointState.RUNNING) == CheckpointState.RUNNING, ckpt.states
+    assert ("signal", 100, "SIGCONT") in events

@@ -23,7 +23,15 @@ import pytest
 
 from support import nobody_user
 from supervisord_gpu.ownership.files import ShmTracker
-from supervisord_gpu.ownership.shm_watch import _EVENT, IN_CREATE, IN_Q_OVERFLOW, MIN_GAP_S, ShmCreations, parse_events
+from supervisord_gpu.ownership.shm_watch import (
+    _EVENT,
+    IN_CREATE,
+    IN_IGNORED,
+    IN_Q_OVERFLOW,
+    MIN_GAP_S,
+    ShmCreations,
+    parse_events,
+)
 
 PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else os.path.realpath(sys.executable)
 
@@ -156,7 +164,8 @@ def test_events_are_names_without_a_slash_and_an_overflow_says_scan_everyone():
 
     data = event(IN_CREATE, b"sglang_loads_x.shm") + event(IN_CREATE, b"a/b") + event(IN_CREATE, b"..") \
         + event(IN_Q_OVERFLOW, b"", 0) + event(IN_CREATE, b"cut")[:-3]
-    assert parse_events(data) == ([b"sglang_loads_x.shm"], 1)
+    assert parse_events(data) == ([b"sglang_loads_x.shm"], 1, False)
+    assert parse_events(event(IN_IGNORED, b"", 0))[2] is True
 
 
 def test_a_watch_that_ends_says_why_and_the_next_registration_opens_a_new_one(nobody):
@@ -172,9 +181,12 @@ def test_a_watch_that_ends_says_why_and_the_next_registration_opens_a_new_one(no
         time.sleep(0.05)
     assert watch.unavailable.startswith("the watch ended: "), watch.unavailable
     assert watch.watch("b", 0, lambda: None) and watch._fd is not None and watch.unavailable == ""
+    assert watch.take_ended().startswith("the watch ended: "), "a reopened watch still says the end, once"
+    assert watch.take_ended() == ""
 
 
 def test_without_a_directory_to_watch_it_says_why_and_watches_nothing(tmp_path):
     watch = ShmCreations(str(tmp_path / "no-such-dir"))
     assert watch.watch("x", 0, lambda: None) is False
+    assert "x" in watch._scans, "registered anyway: a watch opened later covers it"
     assert "no-such-dir" in watch.unavailable and "No such file" in watch.unavailable

@@ -163,8 +163,8 @@ class Parker:
                 record.held = self._to_hold(instance, targets)  # recorded first: a failure below releases all
                 self._signal_ours(instance, record.held, signal.SIGSTOP)
                 for t in targets:
-                    await asyncio.to_thread(self.checkpointer.lock, t.pid, self.lock_timeout_ms)
-                    done.append(t.pid)
+                    done.append(t.pid)  # before the call: a cancel mid-lock still brings it back
+                    await _to_the_end(self.checkpointer.lock, t.pid, self.lock_timeout_ms)
                 # locked, nothing of theirs allocates: what the checkpoint moves is what the GPUs
                 # list now (a server that took its pool back after the release, or grew since the plan)
                 record.targets = await self._remeasured(instance, record.targets)
@@ -172,7 +172,7 @@ class Parker:
                 if why:
                     raise CheckpointError(why)
                 for t in targets:
-                    await asyncio.to_thread(self.checkpointer.checkpoint, t.pid)
+                    await _to_the_end(self.checkpointer.checkpoint, t.pid)
                 states = await asyncio.to_thread(self.inventory.snapshot, sorted(instance.profile.gpus))
                 problems = baseline_problems(states, [t.pid for t in targets])
                 if problems:
@@ -227,7 +227,10 @@ class Parker:
         """The same PIDs with what they hold now (after a KV pool's release); a PID the GPUs no
         longer list keeps 0 bytes but is still parked (its CUDA context is there)."""
         states = await asyncio.to_thread(self.inventory.snapshot, sorted(instance.profile.gpus))
-        now = {t.pid: t.gpu_bytes for t in find_targets({t.process: [t.pid] for t in targets}, states)}
+        by_process: dict[str, list[int]] = {}
+        for t in targets:  # a TP server: several scheduler PIDs under one process name
+            by_process.setdefault(t.process, []).append(t.pid)
+        now = {t.pid: t.gpu_bytes for t in find_targets(by_process, states)}
         return [ParkTarget(t.process, t.pid, now.get(t.pid, 0)) for t in targets]
 
     async def _bring_back(self, pids: list[int]) -> bool:
@@ -330,6 +333,17 @@ class Parker:
 
 def _ports(profile: Profile) -> set[int]:
     return {listen.port for listen in profile.listens()}
+
+
+async def _to_the_end(call: Callable[..., object], *args: object) -> None:
+    """`call(*args)` in a thread; a cancel waits for the thread to finish before it goes on, so
+    the undo that follows never races a lock or a checkpoint still in flight."""
+    work = asyncio.ensure_future(asyncio.to_thread(call, *args))
+    try:
+        await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait([work])
+        raise
 
 
 def pids_by_process(instance: Instance) -> dict[str, list[int]]:

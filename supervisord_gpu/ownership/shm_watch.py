@@ -15,8 +15,9 @@ processes registered under that uid are scanned; ownership stays what `ShmTracke
 or mapped by a PID of our cgroup, the same inode). A file gone by the look-up cannot leak. So a
 local user flooding /dev/shm with files of their own costs a read and an `lstat` per event and no
 scan; a flood by the servers' own user (its model code) costs at most one scan per registered
-process per max(MIN_GAP_S, GAP_FACTOR x that process's last scan), counted from the scan's end.
-A queue overflow scans every registered process once.
+process per max(MIN_GAP_S, GAP_FACTOR x that process's last scan), capped at MAX_GAP_S, counted
+from the scan's end. A queue overflow (a flood fast enough) scans every registered process once,
+at most once per OVERFLOW_GAP_S.
 
 Without inotify (no /dev/shm, the instance limit reached) or once the thread ends on an error,
 `watch` answers False with `unavailable` saying why, and the caller says so once; the phase
@@ -40,11 +41,16 @@ IN_NONBLOCK = 0o4000
 IN_CREATE = 0x100
 IN_MOVED_TO = 0x80
 IN_Q_OVERFLOW = 0x4000
+IN_IGNORED = 0x8000  # the watch was removed (the directory unmounted or gone): the end of it
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of name, NUL-padded)
 #: the shortest gap between two scans of one registered process, from the end of the first
 MIN_GAP_S = 0.05
-#: and at least this many times that process's last scan: a scan may take 50-150 ms on a big server
+#: and at least this many times that process's last scan (a scan may take 50-150 ms on a big
+#: server), but never more than MAX_GAP_S: the leak this exists for came 1 s after the creation
 GAP_FACTOR = 10.0
+MAX_GAP_S = 0.25
+#: an overflowed queue (a flood) scans every registration, at most once per this
+OVERFLOW_GAP_S = 2.0
 #: the longest the thread sleeps without looking again (a descriptor gone bad is seen within this)
 POLL_S = 1.0
 
@@ -63,17 +69,23 @@ class ShmCreations:
         self._thread: threading.Thread | None = None
         self.unavailable = ""  # why there is no watch (empty while there is one or none was tried)
         self.said = False  # the caller said `unavailable` once (one line per daemon, not per process)
+        self.ended = ""  # why a watch that ran ended, until `take_ended`
         self.events = 0  # events read (tests and status)
         self.scans = 0  # scans run
 
     def watch(self, key: object, uid: int, scan: Scan) -> bool:
         """Run `scan` when a file owned by `uid` appears in /dev/shm, until `unwatch(key)`; False
-        where no watch can be had (`unavailable` says why)."""
+        where no watch can be had (`unavailable` says why). The registration stays either way, so
+        a watch opened later (by the next registration) covers it too."""
         with self._lock:
-            if self._fd is None and not self._open():
-                return False
             self._scans[key] = (uid, scan)
-            return True
+            return self._fd is not None or self._open()
+
+    def take_ended(self) -> str:
+        """Why the last watch ended, once (a reopened watch does not erase it): "" if none did."""
+        with self._lock:
+            ended, self.ended = self.ended, ""
+            return ended
 
     def unwatch(self, key: object) -> None:
         with self._lock:
@@ -106,7 +118,7 @@ class ShmCreations:
             self._loop(fd, dirfd)
         except BaseException as e:  # noqa: BLE001  (whatever ends the thread is said, never raised)
             with self._lock:
-                self.unavailable = f"the watch ended: {type(e).__name__}: {e}"
+                self.unavailable = self.ended = f"the watch ended: {type(e).__name__}: {e}"
                 self._fd = self._dirfd = None
                 self.said = False
             for d in (fd, dirfd):
@@ -120,6 +132,7 @@ class ShmCreations:
         poller.register(fd, select.POLLIN)
         next_at: dict[object, float] = {}  # a registration's earliest next scan
         pending: set[object] = set()  # owed a scan that came too soon after its last
+        overflow_at = 0.0  # the earliest next scan-everyone an overflow may cause
         while True:
             now = time.monotonic()
             due = [next_at.get(k, 0.0) - now for k in pending]
@@ -135,12 +148,18 @@ class ShmCreations:
                     continue
                 if not data:  # an inotify descriptor never reads end-of-file
                     raise OSError("its descriptor read end-of-file")
-                names, overflow = parse_events(data)
+                names, overflow, ignored = parse_events(data)
+                if ignored:
+                    raise OSError(f"{self.directory} is no longer watched (IN_IGNORED: unmounted or gone)")
                 self.events += len(names) + overflow
                 with self._lock:
                     scans = dict(self._scans)
-                if overflow:
-                    pending |= set(scans)
+                if overflow:  # a flood: everyone once, but no more often than OVERFLOW_GAP_S
+                    at = max(time.monotonic(), overflow_at)
+                    overflow_at = at + OVERFLOW_GAP_S
+                    for k in scans:
+                        pending.add(k)
+                        next_at[k] = max(next_at.get(k, 0.0), at)
                 else:
                     uids = {uid for uid in (_owner(dirfd, n) for n in names) if uid is not None}
                     pending |= {k for k, (uid, _) in scans.items() if uid in uids}
@@ -158,16 +177,17 @@ class ShmCreations:
                     pass
                 self.scans += 1
                 ended = time.monotonic()
-                next_at[key] = ended + max(MIN_GAP_S, GAP_FACTOR * (ended - began))
+                next_at[key] = ended + min(MAX_GAP_S, max(MIN_GAP_S, GAP_FACTOR * (ended - began)))
             for key in [k for k in next_at if k not in scans]:
                 del next_at[key]
 
 
-def parse_events(data: bytes) -> tuple[list[bytes], int]:
-    """The names in one read of inotify events, and 1 if the queue overflowed (else 0). A
-    truncated tail is dropped; a name is the bytes up to its first NUL, never containing '/'."""
+def parse_events(data: bytes) -> tuple[list[bytes], int, bool]:
+    """The names in one read of inotify events, 1 if the queue overflowed (else 0), and whether
+    the watch was removed (IN_IGNORED). A truncated tail is dropped; a name is the bytes up to its
+    first NUL, never containing '/'."""
     names: list[bytes] = []
-    overflow, off = 0, 0
+    overflow, off, ignored = 0, 0, False
     while off + _EVENT.size <= len(data):
         _wd, mask, _cookie, length = _EVENT.unpack_from(data, off)
         if off + _EVENT.size + length > len(data):
@@ -177,10 +197,13 @@ def parse_events(data: bytes) -> tuple[list[bytes], int]:
         if mask & IN_Q_OVERFLOW:
             overflow = 1
             continue
+        if mask & IN_IGNORED:
+            ignored = True
+            continue
         name = raw.split(b"\0", 1)[0]
         if name and b"/" not in name and name not in (b".", b".."):
             names.append(name)
-    return names, overflow
+    return names, overflow, ignored
 
 
 def _owner(dirfd: int, name: bytes) -> int | None:

@@ -251,6 +251,7 @@ import random
 import select
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import threading
@@ -1839,10 +1840,20 @@ class StandinServer:
         holding to holders/<uid>/.parked.<pid>.json): it is checkpointed."""
         if self.sim is None:
             return None
-        mine = self.sim.directory / "holders" / str(os.geteuid())  # only our own user's word counts
+        me = os.geteuid()
+        try:  # only our own user's word counts: its directory and the file, ours, no link
+            dirs = [e.path for e in os.scandir(self.sim.directory / "holders")
+                    if e.is_dir(follow_symlinks=False) and e.stat(follow_symlinks=False).st_uid == me]
+        except OSError:
+            return None
         for c in self.schedulers():
-            if os.path.isfile(mine / f".parked.{c.pid}.json") and not os.path.islink(mine / f".parked.{c.pid}.json"):
-                return c
+            for d in dirs:
+                try:
+                    st = os.lstat(os.path.join(d, f".parked.{c.pid}.json"))
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode) and st.st_uid == me:
+                    return c
         return None
 
     def release_memory(self, body: dict[str, Any]) -> tuple[int, Any]:
