@@ -20,8 +20,6 @@ import time
 import uuid
 from pathlib import Path
 
-import pytest
-
 from supervisord_gpu.checks.simgpu import SimulatedGpus
 from supervisord_gpu.sglang import routers
 from supervisord_gpu.config.loader import load_daemon_config, load_profile
@@ -469,7 +467,9 @@ class RequestLoop:
 
 def nobody_user(why: str) -> pwd.struct_passwd:
     """The user `nobody` for a test run as root whose other party runs as nobody (through setpriv);
-    skips naming `why` where that cannot be had."""
+    skips naming `why` where that cannot be had. (pytest is imported here, not at the top: this
+    module is also imported inside the test containers, which have no pytest.)"""
+    import pytest
 
     if os.geteuid() != 0:
         pytest.skip(f"needs root: {why}")

@@ -519,3 +519,16 @@ def test_a_string_argument_of_any_future_method_is_bounded_by_the_decorator_alon
     with pytest.raises(ArgumentTooLong, match="Echo: argument 'text' is 1048576 characters long; the limit is 256 bytes"):
         Obj().Echo("z" * (1 << 20), 1)
     assert Obj.ran == 1  # refused before the method ran
+
+
+def test_the_status_before_the_first_publish_has_every_key_a_later_one_has():
+    """A reader that calls GetStatus between the daemon's name appearing on the bus and its first
+    snapshot got a stub without `transition` (CI, test_load's 200 clients: KeyError)."""
+    from supervisord_gpu.api.service import InstanceObject
+    from supervisord_gpu.engine.instance import InstanceStatus
+
+    obj = InstanceObject("x", None, None, "gpusup-nonexistent-group", lambda _s: 0)  # type: ignore[arg-type]
+    first = json.loads(obj.GetStatus())
+    later = InstanceStatus("x", "ready", "", 0.0, None, None, "cgroupfs").to_json()
+    assert set(first) == set(later), set(later) ^ set(first)
+    assert first["state"] == "starting" and first["transition"] == ""
