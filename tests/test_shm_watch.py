@@ -189,4 +189,7 @@ def test_without_a_directory_to_watch_it_says_why_and_watches_nothing(tmp_path):
     watch = ShmCreations(str(tmp_path / "no-such-dir"))
     assert watch.watch("x", 0, lambda: None) is False
     assert "x" in watch._scans, "registered anyway: a watch opened later covers it"
+    said = watch.news(False)
+    assert len(said) == 1 and said[0].startswith("no /dev/shm watch (") and "no-such-dir" in said[0]
+    assert watch.news(False) == [], "once per daemon"
     assert "no-such-dir" in watch.unavailable and "No such file" in watch.unavailable

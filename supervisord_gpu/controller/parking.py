@@ -39,7 +39,6 @@ from ..config.model import ProcessSpec, Profile
 from ..engine.instance import Instance
 from ..engine.probe import PeerCheck, request, who_accepted
 from ..engine.traffic import ACCEPT_WAIT_S
-from ..sglang import admin_key, router_key
 from ..errors import ParkRefused, PreconditionError, StartError, one_line
 from ..parking import hostmem, saver
 from ..parking.checkpointer import Checkpointer, CheckpointError, CheckpointState
@@ -58,6 +57,7 @@ from ..parking.decisions import (
     nothing_to_park_refusal,
     ports_in_the_way,
 )
+from ..sglang import admin_key, router_key
 
 #: (message, syslog priority)
 Say = Callable[[str, int], None]

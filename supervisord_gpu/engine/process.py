@@ -246,13 +246,8 @@ class ManagedProcess:
         # a segment made and leaked between two phase scans (the real server's crash a second
         # after its scheduler made one) is still recorded: ownership/shm_watch
         watched = SHM_CREATIONS.watch(self, self.shm.uid, lambda: self.shm.scan(group.pids()))
-        if ended := SHM_CREATIONS.take_ended():
-            self.sink.event(f"the /dev/shm watch had ended ({ended}); {'reopened' if watched else 'none now'}", 4,
-                            GPUSUP_EVENT="shm-watch")
-        if not watched and not SHM_CREATIONS.said:
-            SHM_CREATIONS.said = True
-            self.sink.event(f"no /dev/shm watch ({SHM_CREATIONS.unavailable}): a segment made and leaked between "
-                            "two phase scans can stay behind", 4, GPUSUP_EVENT="shm-watch")
+        for line in SHM_CREATIONS.news(watched):
+            self.sink.event(line, 4, GPUSUP_EVENT="shm-watch")
         self.sink.event(
             f"{self.name}: started pid {self.spawned.pid} in {self.spawned.group.name}",
             6,

@@ -87,6 +87,19 @@ class ShmCreations:
             ended, self.ended = self.ended, ""
             return ended
 
+    def news(self, watched: bool) -> list[str]:
+        """What a registration that got `watched` from `watch` has to say (at priority 4): that a
+        watch had ended, and, once per daemon until a watch runs again, that there is none."""
+        lines = []
+        if ended := self.take_ended():
+            lines.append(f"the /dev/shm watch had ended ({ended}); {'reopened' if watched else 'none now'}")
+        with self._lock:
+            if not watched and not self.said:
+                self.said = True
+                lines.append(f"no /dev/shm watch ({self.unavailable}): a segment made and leaked between two "
+                             "phase scans can stay behind")
+        return lines
+
     def unwatch(self, key: object) -> None:
         with self._lock:
             self._scans.pop(key, None)
