@@ -84,7 +84,8 @@ class FakeInstance:
                  kinds: dict[str, tuple[str, list[int]]] | None = None) -> None:
         self.name = name
         #: what the Parker did, in order: (pid, signal) to a PID, ("kill_parked", process, why) to a
-        #: process's whole cgroup, ("stop", reason) the instance's stop
+        #: process's whole cgroup, ("stop", reason) the instance's stop, ("restart", process) one
+        #: process restarted cold (`restart_process`)
         self.signals: list[tuple[object, ...]] = []
         self.processes = {n: SimpleNamespace(spawned=SimpleNamespace(group=SimpleNamespace(pids=lambda p=p: p)),
                                              kill_parked=lambda why, n=n: self.signals.append(("kill_parked", n, why)))
@@ -111,6 +112,11 @@ class FakeInstance:
         if prove is not None:
             await prove()
         self.state = InstanceState.READY
+
+    async def restart_process(self, name: str) -> None:
+        if name not in self.processes:
+            raise KeyError(name)
+        self.signals.append(("restart", name))
 
     async def stop(self, reason: str = "") -> float:
         self.state, self.stopped = InstanceState.STOPPED, reason

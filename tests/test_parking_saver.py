@@ -189,8 +189,10 @@ def test_a_release_without_an_answer_may_have_happened_so_it_is_resumed_then_con
                                                         "/resume_memory_occupation", "/continue_generation"]
 
 
-def test_a_resume_that_fails_in_the_undo_leaves_the_server_paused_and_says_so() -> None:
-    """Continued with its pool released, a request would crash the scheduler: it stays paused."""
+def test_a_resume_that_fails_in_the_undo_is_not_continued_and_the_server_is_restarted_cold() -> None:
+    """Continued with its pool released, a request would crash the scheduler, so it is not
+    continued; left paused, it would hold every request for ever (the hang check takes a pause
+    for work): once the instance is back, that server is restarted cold, and said so."""
     parker, ckpt, inst, server, events, said = saver_setup()
     ckpt.fail.add(("checkpoint", 101))
     server.fail["/resume_memory_occupation"] = (500, b"boom")
@@ -198,6 +200,16 @@ def test_a_resume_that_fails_in_the_undo_leaves_the_server_paused_and_says_so() 
         run(parker.park(inst))
     assert ("post", "server", "/continue_generation") not in events
     assert any("POST /resume_memory_occupation answered 500: boom; left paused" in m for m in said)
+    assert inst.signals[-1] == ("restart", "server")
+    assert any("server is left paused with its KV pool released after the failed park: restarted cold" in m for m in said)
+
+
+def test_a_failed_park_whose_undo_resumed_the_pool_restarts_nothing() -> None:
+    parker, ckpt, inst, _server, _events, _said = saver_setup()
+    ckpt.fail.add(("checkpoint", 101))
+    with pytest.raises(ParkRefused):
+        run(parker.park(inst))
+    assert not [s for s in inst.signals if s[0] == "restart"]
 
 
 def test_a_park_cancelled_during_the_release_is_undone() -> None:

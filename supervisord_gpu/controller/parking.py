@@ -152,6 +152,7 @@ class Parker:
                                ports=list(ports.kept), stopped=list(ports.stop))
 
         post = self.saver_post(instance)
+        left_paused: list[str] = []
 
         async def suspend() -> str:
             done: list[int] = []
@@ -180,8 +181,10 @@ class Parker:
             except BaseException as e:  # any failure (an NVML read, a signal refused, a cancel): undone
                 if await self._bring_back(done):
                     self._release(instance, record.held)
-                    for line in await saver.undo(steps, post):  # its front end runs again: resumed, continued
+                    undone = await saver.undo(steps, post)  # its front end runs again: resumed, continued
+                    for line in undone.lines:
                         self.say(f"{instance.name}: after a failed park, {line}", 3)
+                    left_paused.extend(undone.left_paused)
                 # else a scheduler still checkpointed: its front end stays held, so no request crashes
                 # it; back in supervision, the hang check finds it stopped and restarts it cold
                 if isinstance(e, CheckpointError):
@@ -192,11 +195,27 @@ class Parker:
             record.took_s = time.monotonic() - began
             return record.describe()
 
-        await instance.park(suspend, {s.process: s.why() for s in ports.stop})
+        try:
+            await instance.park(suspend, {s.process: s.why() for s in ports.stop})
+        except Exception:  # not a cancel: the daemon is stopping then, and the instance with it
+            await self._restart_left_paused(instance, left_paused)
+            raise
         self.parked[instance.name] = record
         self.say(f"{instance.name} parked in {record.took_s:.2f} s: {record.describe()}; GPUs "
                  f"{sorted(instance.profile.gpus)} verified at their baseline", 6)
         return record
+
+    async def _restart_left_paused(self, instance: Instance, servers: list[str]) -> None:
+        """Each server a failed park's undo left paused with its KV pool released, restarted cold
+        once the instance is back: paused it would hold every request for ever, and the hang check
+        takes a pause for work (engine/hang.py), so nothing else would end it."""
+        for server in servers:
+            self.say(f"{instance.name}: {server} is left paused with its KV pool released after the "
+                     "failed park: restarted cold", 3)
+            try:
+                await instance.restart_process(server)
+            except (PreconditionError, KeyError) as e:
+                self.say(f"{instance.name}: {server} not restarted: {one_line(str(e))[:200]}", 3)
 
     def _signal_ours(self, instance: Instance, held: list[Held], sig: int) -> None:
         """`sig` to each held PID that is still in its process's cgroup at this moment (one that

@@ -106,20 +106,33 @@ async def resume_kv(servers: list[str], post: Post) -> None:
             await _call(post, server, path, body)
 
 
-async def undo(done: SaverSteps, post: Post) -> list[str]:
+@dataclass
+class Undone:
+    """What an undo could not do: one line per failure, and the servers left paused with their
+    KV pool released (the Parker restarts those cold: paused, such a server serves nothing, and
+    the hang check rightly takes a pause for work)."""
+
+    lines: list[str]
+    left_paused: list[str]
+
+
+async def undo(done: SaverSteps, post: Post) -> Undone:
     """Best effort, each server on its own: resume what may have been released, then continue
     what may have been paused. A server whose resume fails stays paused (continued, a request
-    would reach a released pool and crash it). Returns the failures' lines; none raises."""
-    failures = []
+    would reach a released pool and crash it). Never raises."""
+    undone = Undone([], [])
     for server in done.paused:
         steps = RESUME_STEPS if server in done.released else RESUME_STEPS[1:]
         for path, body in steps:
             try:
                 await _call(post, server, path, body)
             except SaverError as e:
-                failures.append(str(e) + ("; left paused" if path == "/resume_memory_occupation" else ""))
+                paused = path == "/resume_memory_occupation"
+                undone.lines.append(str(e) + ("; left paused" if paused else ""))
+                if paused:
+                    undone.left_paused.append(server)
                 break
-    return failures
+    return undone
 
 
 async def _call(post: Post, server: str, path: str, body: object) -> None:
