@@ -51,15 +51,16 @@ table, on the device machine:
 
     call 1, carry [".sgl"]:
       python3 bench/device/real_pd.py unpack && python3 bench/device/real_hang.py detach \
-        --out-dir /tmp/rh-long --mode real --beside 6 --pause-s 600 --busy-runs 8 --slow-s 10 --budget 1200
+        --out-dir /tmp/rh-long --mode real --beside 2 --pause-s 600 --busy-runs 8 --slow-s 10 --budget 1000
     calls 2..n, back to back, each within 30 s of the last, until the exit code is not 3:
       python3 bench/device/real_hang.py collect --out-dir /tmp/rh-long --out $OUT --wait 540
 
-That is about 16 device minutes, estimated from the H100 figures (a start 25-85 s, the pause 611 s,
-one round of slow (10 s) + long_prefill + stall_latch about 50 s, a hang case about 46 s with its
-restart): ~60 + 85 + 6 x 30 (the sharers start one after another) + 611 + 30 s, with the 8 rounds
-and the 4 hang cases (~584 s) inside the pause: 6 pause runs of 10 minutes and 1 + 24 other busy
-runs. Without --beside (--pause-runs 1 --busy-runs 12): ~26 minutes for 1 pause; the issue's
+That is about 15 device minutes, estimated from the H100 figures (run 3, 2026-12-07: a first
+start 49 s on a warm machine, 85 s cold; one round of slow (10 s) + long_prefill + stall_latch
+38 s; a hang case 42-48 s with its restart): ~90 (the machine's start) + 40 (unpack) + 150 (the
+first start, the 2 sharers one after another) + 611 + 30 s, with the 8 rounds and the 4 hang
+cases (~490 s) inside the pause: 2 pause runs of 10 minutes and 1 + 24 other busy runs, 27 in
+all (--beside 6 adds 4 pauses and ~2 minutes of starts). Without --beside (--pause-runs 1 --busy-runs 12): ~26 minutes for 1 pause; the issue's
 literal 20 rounds each with a 10-minute pause, one after another, ~3.8 hours; --today-s 320 adds
 ~20 minutes.
 On CPU: `.venv/bin/python bench/device/real_hang.py detach --out-dir /tmp/rh-long --mode standin
