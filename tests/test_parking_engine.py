@@ -279,3 +279,60 @@ def test_a_request_sent_while_parked_is_answered_and_without_the_hold_it_kills_t
     assert "status" not in cut and not restored, cut
     assert "starting it cold instead" in said[-1], said[-1]
     assert cgroups.all_pids() == []
+
+
+def test_a_server_left_paused_by_a_failed_parks_undo_is_restarted_cold_and_serves(tmp_path, cgroups):
+    """The wiring of the Parker's last resort on a real Instance: a park refused after the KV pool
+    was released (too little host memory once locked), whose resume then fails (the server's
+    answer, injected in front of its real front end), leaves the server paused with its pool
+    released; once the profile is back it is restarted cold (a new PID) and serves, where paused
+    it would have held every request for ever."""
+    import threading
+
+    from supervisord_gpu.controller.parking import admin_post
+    from supervisord_gpu.errors import ParkRefused
+    from supervisord_gpu.parking.decisions import HOST_MARGIN_MIN_BYTES
+
+    (port,) = free_ports(1)
+    text = server(port) + "        [servers.main.options]\n        enable-memory-saver = true\n"
+    cdir = write_config(tmp_path, {"s": text}, cgroups.root, startup=0.3)
+    inst, _ = make_instance(cdir, "s")
+    _sim, parker, said = sim_parker(tmp_path)
+    # the plan leaves the saver's bytes to the check after the lock, which the 500 MiB left fail
+    parker.mem_available = lambda: HOST_MARGIN_MIN_BYTES + 100 * (1 << 20)
+    real_post = admin_post
+
+    def failing_resume(instance):  # type: ignore[no-untyped-def]
+        post = real_post(instance)
+
+        async def answer(name: str, path: str, body: object) -> tuple[int | None, bytes]:
+            if path == "/resume_memory_occupation":
+                return 500, b"injected"
+            return await post(name, path, body)
+        return answer
+
+    parker.saver_post = failing_resume
+    answer: dict[str, object] = {}
+
+    async def go() -> None:
+        await inst.start()
+        old_pid = inst.processes["main"].pid
+        try:
+            await parker.park(inst)
+        except ParkRefused as e:
+            assert "host memory available" in str(e), e
+        else:
+            raise AssertionError("parked")
+        assert inst.state == InstanceState.READY and inst.processes["main"].pid != old_pid
+        assert inst.processes["main"].state == ProcessState.READY
+        sender = threading.Thread(target=send_generate, args=(port, answer))
+        sender.start()
+        await asyncio.to_thread(sender.join, 30)
+        await inst.stop()
+
+    asyncio.run(go())
+    assert answer == {"status": 200}, answer
+    assert any("POST /resume_memory_occupation answered 500: injected; left paused" in m for m in said), said
+    assert any("main is left paused with its KV pool released after the failed park: restarted cold" in m
+               for m in said), said
+    assert cgroups.all_pids() == []
