@@ -333,6 +333,6 @@ def test_a_server_left_paused_by_a_failed_parks_undo_is_restarted_cold_and_serve
     asyncio.run(go())
     assert answer == {"status": 200}, answer
     assert any("POST /resume_memory_occupation answered 500: injected; left paused" in m for m in said), said
-    assert any("main is left paused with its KV pool released after the failed park: restarted cold" in m
+    assert any("main is left paused after the failed park (its KV pool released): restarted cold" in m
                for m in said), said
     assert cgroups.all_pids() == []

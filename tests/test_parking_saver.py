@@ -201,7 +201,7 @@ def test_a_resume_that_fails_in_the_undo_is_not_continued_and_the_server_is_rest
     assert ("post", "server", "/continue_generation") not in events
     assert any("POST /resume_memory_occupation answered 500: boom; left paused" in m for m in said)
     assert inst.signals[-1] == ("restart", "server")
-    assert any("server is left paused with its KV pool released after the failed park: restarted cold" in m for m in said)
+    assert any("server is left paused after the failed park (its KV pool released): restarted cold" in m for m in said)
 
 
 def test_a_failed_park_whose_undo_resumed_the_pool_restarts_nothing() -> None:
@@ -210,6 +210,28 @@ def test_a_failed_park_whose_undo_resumed_the_pool_restarts_nothing() -> None:
     with pytest.raises(ParkRefused):
         run(parker.park(inst))
     assert not [s for s in inst.signals if s[0] == "restart"]
+
+
+def test_a_continue_refused_in_the_undo_leaves_the_server_paused_so_it_is_restarted_cold() -> None:
+    parker, ckpt, inst, server, _events, said = saver_setup()
+    ckpt.fail.add(("checkpoint", 101))
+    server.fail["/continue_generation"] = (401, b"Unauthorized")
+    with pytest.raises(ParkRefused):
+        run(parker.park(inst))
+    assert inst.signals[-1] == ("restart", "server")
+    assert any("POST /continue_generation answered 401: Unauthorized; left paused" in m for m in said)
+    assert any("left paused after the failed park (generation not continued): restarted cold" in m for m in said)
+
+
+def test_a_continue_without_an_answer_may_have_continued_so_nothing_is_restarted() -> None:
+    """A false kill costs a cold start: a front end that does not answer is the hang check's case."""
+    parker, ckpt, inst, server, _events, said = saver_setup()
+    ckpt.fail.add(("checkpoint", 101))
+    server.fail["/continue_generation"] = (None, b"timed out")
+    with pytest.raises(ParkRefused):
+        run(parker.park(inst))
+    assert not [s for s in inst.signals if s[0] == "restart"]
+    assert any("POST /continue_generation no answer: timed out" in m and "left paused" not in m for m in said)
 
 
 def test_a_park_cancelled_during_the_release_is_undone() -> None:

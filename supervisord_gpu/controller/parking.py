@@ -152,7 +152,7 @@ class Parker:
                                ports=list(ports.kept), stopped=list(ports.stop))
 
         post = self.saver_post(instance)
-        left_paused: list[str] = []
+        left_paused: dict[str, str] = {}
 
         async def suspend() -> str:
             done: list[int] = []
@@ -184,7 +184,7 @@ class Parker:
                     undone = await saver.undo(steps, post)  # its front end runs again: resumed, continued
                     for line in undone.lines:
                         self.say(f"{instance.name}: after a failed park, {line}", 3)
-                    left_paused.extend(undone.left_paused)
+                    left_paused.update(undone.left_paused)
                 # else a scheduler still checkpointed: its front end stays held, so no request crashes
                 # it; back in supervision, the hang check finds it stopped and restarts it cold
                 if isinstance(e, CheckpointError):
@@ -205,13 +205,12 @@ class Parker:
                  f"{sorted(instance.profile.gpus)} verified at their baseline", 6)
         return record
 
-    async def _restart_left_paused(self, instance: Instance, servers: list[str]) -> None:
-        """Each server a failed park's undo left paused with its KV pool released, restarted cold
-        once the instance is back: paused it would hold every request for ever, and the hang check
-        takes a pause for work (engine/hang.py), so nothing else would end it."""
-        for server in servers:
-            self.say(f"{instance.name}: {server} is left paused with its KV pool released after the "
-                     "failed park: restarted cold", 3)
+    async def _restart_left_paused(self, instance: Instance, servers: dict[str, str]) -> None:
+        """Each server a failed park's undo left paused (server -> why), restarted cold once the
+        instance is back: paused it would hold every request for ever, and the hang check takes a
+        pause for work (engine/hang.py), so nothing else would end it."""
+        for server, why in servers.items():
+            self.say(f"{instance.name}: {server} is left paused after the failed park ({why}): restarted cold", 3)
             try:
                 await instance.restart_process(server)
             except (PreconditionError, KeyError) as e:

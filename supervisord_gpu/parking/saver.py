@@ -108,29 +108,32 @@ async def resume_kv(servers: list[str], post: Post) -> None:
 
 @dataclass
 class Undone:
-    """What an undo could not do: one line per failure, and the servers left paused with their
-    KV pool released (the Parker restarts those cold: paused, such a server serves nothing, and
-    the hang check rightly takes a pause for work)."""
+    """What an undo could not do: one line per failure, and the servers it knows are still paused
+    (server -> why), which the Parker restarts cold: paused, such a server holds every request
+    for ever, and the hang check rightly takes a pause for work."""
 
     lines: list[str]
-    left_paused: list[str]
+    left_paused: dict[str, str]
 
 
 async def undo(done: SaverSteps, post: Post) -> Undone:
     """Best effort, each server on its own: resume what may have been released, then continue
-    what may have been paused. A server whose resume fails stays paused (continued, a request
-    would reach a released pool and crash it). Never raises."""
-    undone = Undone([], [])
+    what may have been paused. A server whose resume fails is not continued (a request would
+    reach a released pool and crash it): left paused. So is one whose continue the server
+    answered with a refusal; one whose continue got no answer may have continued, and is left to
+    the hang check (a front end that does not answer is its case). Never raises."""
+    undone = Undone([], {})
     for server in done.paused:
         steps = RESUME_STEPS if server in done.released else RESUME_STEPS[1:]
         for path, body in steps:
             try:
                 await _call(post, server, path, body)
             except SaverError as e:
-                paused = path == "/resume_memory_occupation"
-                undone.lines.append(str(e) + ("; left paused" if paused else ""))
-                if paused:
-                    undone.left_paused.append(server)
+                if path == "/resume_memory_occupation":
+                    undone.left_paused[server] = "its KV pool released"
+                elif e.answered:
+                    undone.left_paused[server] = "generation not continued"
+                undone.lines.append(str(e) + ("; left paused" if server in undone.left_paused else ""))
                 break
     return undone
 
