@@ -785,7 +785,8 @@ def test_a_verification_failing_after_the_stops_rolls_back_on_every_node_under_a
     assert isinstance(e, TakeoverFailed), out
     assert str(e) == ("cluster transition to tp failed: step 2 failed on node 'b': node b: GPU 0 is held by pid 4242 "
                       "(user eve); rolling back: the agents start pd again")
-    assert until(lambda: cluster.store().holder() is None)  # freed by the agents once both started pd again
+    assert until(lambda: cluster.store().holder() is None), "\n".join(map(str, (  # freed by the agents once both started pd again
+        a.said, b.said, cluster.log, cluster.store().holder())))
     assert sorted(x for x in cluster.log if x[1] != "verify") == [
         ("a", "start", "pd"), ("a", "stop", "pd"), ("b", "start", "pd"), ("b", "stop", "pd")]
     assert a.units.calls == [("stop", "pd"), ("start", "pd")] and b.units.calls == [("stop", "pd"), ("start", "pd")]
