@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 
 import pytest
 
 from cluster_fixtures import FakeUnits, NoGpus, memory_store, node_config
 from supervisord_gpu.cli import gpusupctl
+from supervisord_gpu.cluster import agent as agent_module
 from supervisord_gpu.cluster.agent import NodeAgent
 from supervisord_gpu.cluster.coordinator import prepare_cluster_start, running_profiles
 from supervisord_gpu.cluster.gate import ClusterGate
@@ -63,6 +66,51 @@ def test_a_plan_naming_what_is_not_a_profile_spanning_nodes_here_is_never_obeyed
     agent.once()
     assert agent.units.calls == [] and agent.internal_errors == 0
     assert any(m.startswith("ignoring transition t1: " + why) for m in said), said
+
+
+def test_a_profile_written_in_place_as_the_plan_arrives_is_read_again_and_the_plan_obeyed(tmp_path):
+    """An editor (the operator, root) truncating pd.toml and writing it again as a rollback
+    arrives: the agent reads it again until it parses, instead of ignoring the rollback and
+    leaving this node's part stopped behind a held lock."""
+    said: list[str] = []
+    agent, store, kv = agent_for(tmp_path, said)
+    path = tmp_path / "profiles" / "pd.toml"
+    whole = path.read_text()
+    path.write_text("")  # the moment after the truncate
+    threading.Timer(0.5, lambda: path.write_text(whole)).start()
+    kv.put("/c/current", "t1")
+    kv.put("/c/transitions/t1/plan", json.dumps(stop_plan("pd").to_json()))
+    began = time.monotonic()
+    agent.once()
+    assert agent.units.calls == [("stop", "pd")] and store.reports("t1", 1)["a"].state == "done", said
+    assert 0.4 < time.monotonic() - began < agent_module.PROFILE_SETTLE_S, "read again, not waited out"
+    assert not any(m.startswith("ignoring transition") for m in said), said
+
+
+def test_a_profile_that_stays_broken_is_ignored_after_the_settle_naming_the_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(agent_module, "PROFILE_SETTLE_S", 0.6)
+    said: list[str] = []
+    agent, _, kv = agent_for(tmp_path, said)
+    (tmp_path / "profiles" / "pd.toml").write_text("[servers\n")
+    kv.put("/c/current", "t1")
+    kv.put("/c/transitions/t1/plan", json.dumps(stop_plan("pd").to_json()))
+    began = time.monotonic()
+    agent.once()
+    assert agent.units.calls == [] and agent.internal_errors == 0
+    assert time.monotonic() - began >= 0.6
+    line = next(m for m in said if m.startswith("ignoring transition t1: it names pd, which is not a profile here: "))
+    assert "pd.toml" in line and line.endswith("(read for 0.6 s)") and "\n" not in line, line
+
+
+def test_a_missing_profile_is_not_waited_for(tmp_path):
+    said: list[str] = []
+    agent, _, kv = agent_for(tmp_path, said)
+    kv.put("/c/current", "t1")
+    kv.put("/c/transitions/t1/plan", json.dumps(stop_plan("ghost").to_json()))
+    began = time.monotonic()
+    agent.once()
+    assert time.monotonic() - began < 0.5 and agent.units.calls == []
+    assert any("unknown profile 'ghost'" in m for m in said), said
 
 
 @pytest.mark.parametrize("mutate, words", [

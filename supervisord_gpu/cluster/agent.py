@@ -22,7 +22,7 @@ from typing import Any
 from ..checks.gpus import GpuInventory
 from ..checks.preconditions import Requirement, wait_until_clear
 from ..config.cluster import insecure_warning
-from ..config.loader import load_profile
+from ..config.loader import load_profile, profile_path
 from ..config.model import DaemonConfig, Profile
 from ..errors import SupervisorError
 from ..names import service_name
@@ -31,6 +31,12 @@ from .plan import ClusterPlan, Step, _placed
 from .records import GpuRecord, NodeRecord, StepReport, TransitionKind
 
 STEP_WAIT_S = 3600.0  # the previous step's own deadlines (the coordinator's) end it sooner
+#: A profile file that is there but does not parse is read again for this long before a plan
+#: naming it is ignored: an editor writing it in place leaves it empty or half-written for a
+#: moment, and an ignored rollback leaves this node's part stopped and the lock held for its lease
+#: (seen in test_cluster_decisions under load). A missing file is not waited for.
+PROFILE_SETTLE_S = 3.0
+PROFILE_REREAD_S = 0.2
 
 
 class Units:
@@ -126,7 +132,7 @@ class NodeAgent:
             for work in step.work:
                 if work.instance not in profiles:
                     try:
-                        profiles[work.instance] = load_profile(self.cfg, work.instance, True)
+                        profiles[work.instance] = self._load_settled(work.instance)
                     except SupervisorError as e:
                         return f"it names {work.instance}, which is not a profile here: {str(e).splitlines()[0]}"
                 profile = profiles[work.instance]
@@ -139,6 +145,24 @@ class NodeAgent:
                 if stray:
                     return f"it names {stray[0]} of {work.instance} on node {work.node}, which does not run there"
         return ""
+
+    def _load_settled(self, name: str) -> Profile:
+        """The whole profile `name`; one that exists but does not parse is read again every
+        PROFILE_REREAD_S until PROFILE_SETTLE_S have passed (a write in place under way), then its
+        error is raised, saying how long it was read for."""
+        deadline = time.monotonic() + PROFILE_SETTLE_S
+        while True:
+            try:
+                return load_profile(self.cfg, name, True)
+            except SupervisorError as e:
+                try:
+                    there = profile_path(self.cfg, name).is_file()
+                except SupervisorError:
+                    there = False
+                if not there:
+                    raise
+                if time.monotonic() >= deadline or self.stopping.wait(PROFILE_REREAD_S):
+                    raise SupervisorError(f"{str(e).splitlines()[0]} (read for {PROFILE_SETTLE_S:g} s)") from e
 
     def _keep_alive(self) -> None:
         every = max(0.5, self.cfg.cluster.lease_ttl_s / 3)
