@@ -376,3 +376,39 @@ def test_the_instance_writes_nothing_of_a_process_but_its_exit_callback():
                 written.add(ast.unparse(node.func))
     assert written == {"proc.on_unexpected_exit"}
 
+
+
+def test_a_phase_scan_runs_off_the_event_loop_and_its_failure_is_one_line(engine, monkeypatch):
+    """A new phase in a server's output scans its cgroup's /proc maps and fds (a loaded server's
+    run to thousands of lines): on a worker thread, so the loop that probes and judges every
+    other process is not held up; a scan that fails is said at priority 4, nothing else."""
+    import threading
+    import time
+
+    from supervisord_gpu.ownership.files import ShmTracker
+
+    instance, sink, _ = engine
+    alpha = instance.processes["alpha"]
+    on: list[str] = []
+
+    def slow_scan(self: ShmTracker, pids: object) -> None:
+        on.append(threading.current_thread().name)
+        time.sleep(0.5)
+        if len(on) == 2:
+            raise OSError("maps unreadable")
+
+    async def go() -> None:
+        await instance.start()
+        monkeypatch.setattr(ShmTracker, "scan", slow_scan)
+        began = time.monotonic()
+        alpha._on_line("[2026-12-07 10:00:00] Load weight begin. avail mem=70.00 GB", "stderr")
+        assert time.monotonic() - began < 0.2, "the reader waited for the scan"
+        await until(lambda: len(on) == 1 and not alpha._scans, "the first scan done")
+        alpha._on_line("[2026-12-07 10:00:01] Capture CUDA graph begin.", "stderr")
+        await until(lambda: len(on) == 2 and not alpha._scans, "the second scan done")
+        await instance.stop()
+
+    run(go())
+    assert on and threading.main_thread().name not in on, on
+    failed = [(m, p) for m, p, _ in sink.events if "scan of its shared-memory files failed" in m]
+    assert failed == [("alpha: scan of its shared-memory files failed: OSError: maps unreadable", 4)], failed

@@ -144,6 +144,8 @@ class ManagedProcess:
         self._exited = asyncio.Event()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        #: the phase scans under way on worker threads (kept so none is collected mid-run)
+        self._scans: set[asyncio.Future[None]] = set()
         self._liveness: asyncio.Task[None] | None = None
         self._hang: asyncio.Task[None] | None = None  # the hang verdict's watch (engine/hang.py)
         self._stopping = False
@@ -320,7 +322,7 @@ class ManagedProcess:
         if phase is not None and phase != self.phase:
             self._set_phase(phase)
             self._wake.set()
-            self._scan_files()
+            self._scan_files_soon()
 
     async def _watch_exit(self) -> None:
         assert self.spawned is not None
@@ -357,6 +359,26 @@ class ManagedProcess:
         """Note the shared-memory files its cgroup uses now (cleaned after a kill; see ownership/files)."""
         if self.spawned is not None:
             self.shm.scan(self.spawned.group.pids())
+
+    def _scan_files_soon(self) -> None:
+        """`_scan_files` on a worker thread, from the output reader (a new phase): reading the
+        /proc/PID/maps and fds of a loaded server's processes must not hold up the event loop,
+        which probes and judges every other process meanwhile. The tracker's lock orders it
+        with the /dev/shm watch's scans and the clean-up after a kill."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a test driving the reader by hand): as before
+            self._scan_files()
+            return
+        scan = loop.run_in_executor(None, self._scan_files)
+        self._scans.add(scan)
+        scan.add_done_callback(self._scan_done)
+
+    def _scan_done(self, scan: asyncio.Future[None]) -> None:
+        self._scans.discard(scan)
+        if not scan.cancelled() and (error := scan.exception()) is not None:
+            self.sink.event(f"{self.name}: scan of its shared-memory files failed: {type(error).__name__}: {error}", 4,
+                            GPUSUP_PROCESS=self.name)
 
     async def _check_listener(self) -> bool:
         """Is whoever listens on our port one of ours? Raises StartError naming a stranger.
@@ -456,7 +478,7 @@ class ManagedProcess:
                 self.phase_durations["total"] = time.monotonic() - started
                 self._set_phase(phases.SERVING)
                 self.progress_text = ""
-                self._scan_files()
+                await asyncio.to_thread(self._scan_files)
                 self._set_state(ProcessState.READY)
                 self._start_liveness()
                 self.sink.event(
