@@ -82,6 +82,24 @@ def test_a_scheduler_blocked_with_our_request_waiting_is_hung_within_the_window(
     assert "/server_info: unanswered for" in verdict.evidence
 
 
+def test_a_blocked_scheduler_whose_helper_threads_wake_is_still_hung():
+    """The real blocked scheduler spent 0.75-0.94 % of a core in its helper threads (runs 2-3),
+    and once over 1 %, which the old floor called work: it lived on, hung, for 2 minutes
+    (2026-12-07, H100). Up to a few per cent it is no work."""
+    for ticks_per_look in (2, 3, 6):  # 1 %, 1.5 %, 3 % of a core at 100 ticks a second
+        s = Server()
+        s.rate[SCHED], s.state[SCHED] = ticks_per_look, "S"
+        at, verdict = run(s, 60, scheduler_waiting_since=0.5)
+        assert at is not None and at <= WINDOW + 2 * STEP, (ticks_per_look, at)
+        assert "its scheduler neither answered nor worked" in verdict.kill
+
+
+def test_a_scheduler_that_works_a_tenth_of_a_core_without_answering_is_busy():
+    s = Server()
+    s.rate[SCHED], s.state[SCHED] = 20, "S"  # 10 % of a core: work, however slow
+    assert run(s, 120, scheduler_waiting_since=0.5)[0] is None
+
+
 def test_a_spinning_scheduler_that_does_not_answer_us_is_busy_not_hung():
     """A flood of /server_info from anyone delays ours for as long as they like; the scheduler works."""
     assert run(Server(), 600, scheduler_waiting_since=0.5)[0] is None

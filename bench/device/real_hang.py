@@ -182,7 +182,8 @@ def busy_pause(run: HangRun, c: R.Check, m: dict[str, Any], d: R.Daemon,
     since = time.time()
     load = clients(port, 2.0, 2, long_body(run))
     time.sleep(1.0)
-    status, body, _ = R.call("POST", port, "/pause_generation", {"mode": "in_place"}, key=key)
+    status, body, _ = R.call("POST", port, "/pause_generation", {"mode": run.args.pause_mode}, key=key)
+    m["mode"] = run.args.pause_mode
     c("paused", status == 200, (status, body[:200]))
     m["ready_while_paused"] = R.call("GET", port, "/ready", timeout=5)[0]
     time.sleep(run.args.pause_s)
@@ -314,6 +315,51 @@ def hang_cases() -> dict[str, Any]:
             "blocked_scheduler": (blocked, "300 s (scheduler_timeout)")}
 
 
+class SchedulerCpu(threading.Thread):
+    """The scheduler's CPU during a hang case, every 2 s: the share of a core over the last 16 s
+    (what the verdict compares with its floor) and the busiest threads' ticks (which helper
+    threads wake while the scheduler is blocked)."""
+
+    def __init__(self, pid: int | None) -> None:
+        super().__init__(daemon=True, name="scheduler-cpu")
+        self.pid, self.stop, self.samples = pid, threading.Event(), []  # type: ignore[var-annotated]
+
+    @staticmethod
+    def _ticks(path: str) -> int | None:
+        try:
+            fields = Path(path).read_text().rsplit(")", 1)[1].split()
+            return int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def run(self) -> None:
+        if not self.pid:
+            return
+        tck = os.sysconf("SC_CLK_TCK")
+        history: list[tuple[float, int]] = []
+        began = time.monotonic()
+        while not self.stop.wait(2.0):
+            total = self._ticks(f"/proc/{self.pid}/stat")
+            if total is None:
+                return
+            now = time.monotonic()
+            history.append((now, total))
+            old = next((h for h in reversed(history) if h[0] <= now - 16), history[0])
+            threads = {}
+            for task in Path(f"/proc/{self.pid}/task").glob("*"):
+                t = self._ticks(str(task / "stat"))
+                try:
+                    name = (task / "comm").read_text().strip()
+                except OSError:
+                    name = "?"
+                if t:
+                    threads[f"{task.name}:{name}"] = t
+            top = sorted(threads.items(), key=lambda kv: -kv[1])[:4]
+            self.samples.append({"t": round(now - began, 1), "ticks": total,
+                                 "share_16s": round((total - old[1]) / tck / max(now - old[0], 1e-9), 4),
+                                 "threads": top})
+
+
 def _cont(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGCONT)
@@ -323,16 +369,21 @@ def _cont(pid: int) -> None:
 
 def hang_case(run: HangRun, c: R.Check, m: dict[str, Any], d: R.Daemon, hang: Any) -> None:
     restarts0 = d.process("server").get("restarts") or 0
-    main, *_ = run.server_pids(d)
+    main, sched, *_ = run.server_pids(d)
     since = time.time()
     undo = hang(run, d)
     m["ready_after_hang"] = R.call("GET", R.SERVER_PORT, "/ready", timeout=3)[0]
+    sampler = SchedulerCpu(sched)
+    sampler.start()
     try:
         kill = d.wait_say("unhealthy", 90, since, "server")
     except AssertionError:
         if undo:
             undo()
         raise
+    finally:
+        sampler.stop.set()
+        m["scheduler_cpu"] = sampler.samples
     m["now_s"] = round(kill["t"] - since, 1)
     m["kill_line"] = kill["msg"]
     evidence = d.says("hang", since, "server")
@@ -388,6 +439,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--python", default=None)
     ap.add_argument("--standin-startup", type=float, default=10.0)
     ap.add_argument("--skip", default="", help="busy cases to leave out, comma-separated (pause,slow,long_prefill,stall_latch)")
+    ap.add_argument("--hangs", default="", help="the hang cases to run, comma-separated (default: all four)")
+    ap.add_argument("--pause-mode", default="in_place", choices=("in_place", "retract"),
+                    help="the pause case's /pause_generation mode: in_place keeps the running batch, which SGLang's "
+                         "own watchdog ends after --watchdog-timeout (300-450 s); retract holds the requests queued")
     ap.add_argument("--beside", type=int, default=0, choices=range(0, 7), metavar="N",
                     help="N more servers on GPU 0 (share_gpus), each paused for --pause-s while every other case runs "
                          "on `server`: the pause beside the rest instead of before it (N pause runs; none on `server`)")
@@ -458,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
                 run.scenario(f"busy_{key}_{i + 1}", f"busy: {key} (round {i + 1})", est,
                              lambda c, m, fn=fn: fn(run, c, m, d))
         for name, (hang, _) in cases.items():
+            if args.hangs and name not in args.hangs.split(","):
+                continue
             serving_again(args.start_estimate * 2)
             run.scenario(f"hang_{name}", f"hang: {name}", TARGET_S + args.start_estimate,
                          lambda c, m, h=hang: hang_case(run, c, m, d, h))
