@@ -65,6 +65,7 @@ STAMP = r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\]"
 UVICORN_LINE = re.compile(STAMP + r" (INFO|ERROR):  +")
 # the main process's SIGQUIT handler once the lazy handlers are installed (after the warm-up)
 RUNNING_SIGQUIT = "SIGQUIT received. signum=None, frame=None. It usually means one child failed."
+DIAGNOSTICS = "Sleeping 5 seconds before crash diagnostics to let GPU activity settle."
 
 
 def have_real_router() -> bool:
@@ -720,19 +721,80 @@ def test_multimodal_segments_live_while_a_request_runs_and_a_sigkill_leaves_them
 
 
 def test_fault_watchdog_timeout_prints_the_watchdog_and_ends_in_a_self_sigkill(procs: Procs) -> None:
-    p, port, out, err = start_server(procs, "--watchdog-timeout", "0.5", env={S.ENV_FAULT: "watchdog-timeout:1"})
+    p, port, out, err = start_server(procs, "--watchdog-timeout", "0.5",
+                                     env={S.ENV_FAULT: "watchdog-timeout:1", S.ENV_COREDUMP_WAIT: "0"})
     wait_ready(port)
     procs.remember(server_info(port)["stand_in_files"])
     kids = children_of(p.pid)
-    assert p.wait(timeout=10) == -signal.SIGKILL
+    assert p.wait(timeout=20) == -signal.SIGKILL
     log = err.read_text()
     assert "Scheduler watchdog timeout (self.watchdog_timeout=0.5, self.soft=False)" in log, log
     assert "Scheduler debug info:" in log and "All pyspy dump attempts failed" in log
-    assert log.index("Scheduler watchdog timeout") < log.index(RUNNING_SIGQUIT)
+    assert log.index("Scheduler watchdog timeout") < log.index(RUNNING_SIGQUIT) < log.index(DIAGNOSTICS)
     wait_for(lambda: all(gone(k.pid) for k in kids), 3, what="children killed")
     saw = tuple(m for m in exits.MARKERS if m in log)
     assert exits.describe_exit(-signal.SIGKILL, saw) == \
         "crashed: SGLang's watchdog found a forward pass stuck, and SGLang killed itself"
+
+
+def _long_generation(port: int, seconds: float) -> None:
+    threading.Thread(target=http, args=("POST", f"http://127.0.0.1:{port}/generate",
+                                        {"text": "x", "sampling_params": {"sleep": seconds}}),
+                     kwargs={"timeout": seconds + 30}, daemon=True).start()
+
+
+def test_a_pause_in_place_with_a_request_running_is_ended_by_the_schedulers_own_watchdog(procs: Procs) -> None:
+    """The real SGLang 0.5.23 (H100, 2026-12-07): paused in place with 2 requests running, its
+    scheduler's watchdog ended it 447 s in (--watchdog-timeout 300, looked at every 150 s); the
+    front end then answered nothing through its crash diagnostics (5 s, py-spy, CUDA coredump,
+    a 60 s wait) and killed itself. Here --watchdog-timeout 1: 1-1.5 s after the last step."""
+    p, port, _, err = start_server(procs, "--watchdog-timeout", "1", env={S.ENV_COREDUMP_WAIT: "2"})
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(port)
+    procs.remember(server_info(port)["stand_in_files"])
+    _long_generation(port, 60)
+    time.sleep(0.5)
+    paused_at = time.monotonic()
+    assert http("POST", base + "/pause_generation", {"mode": "in_place"})[0] == 200
+    wait_for(lambda: "Scheduler watchdog timeout (self.watchdog_timeout=1.0, self.soft=False)" in err.read_text(),
+             6, what="the scheduler's watchdog")
+    fired = time.monotonic() - paused_at
+    assert 0.9 <= fired <= 3.5, fired  # (1, 1.5] s after the last step, + a poll
+    wait_for(lambda: DIAGNOSTICS in err.read_text(), 8, what="the crash diagnostics")
+    assert status(base + "/ready", timeout=1.0) == 0  # the event loop is blocked: no answer
+    assert p.wait(timeout=15) == -signal.SIGKILL
+    log = err.read_text()
+    assert "Waiting 2.0 seconds for CUDA coredumps before exiting." in log
+    assert log.index("Scheduler watchdog timeout") < log.index(RUNNING_SIGQUIT) < log.index(DIAGNOSTICS)
+
+
+@pytest.mark.parametrize("mode, running", [("retract", True), ("in_place", False)], ids=["retract", "in-place-idle"])
+def test_a_pause_that_holds_no_batch_outlives_the_schedulers_watchdog(procs: Procs, mode: str, running: bool) -> None:
+    """Retract empties the running batch, and an idle server has none: WatchdogRaw is not active."""
+    p, port, _, err = start_server(procs, "--watchdog-timeout", "1")
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(port)
+    procs.remember(server_info(port)["stand_in_files"])
+    if running:
+        _long_generation(port, 2)
+        time.sleep(0.5)
+    assert http("POST", base + "/pause_generation", {"mode": mode})[0] == 200
+    time.sleep(4.0)  # > 1.5 x the timeout, + a poll
+    assert p.poll() is None and "Scheduler watchdog timeout" not in err.read_text()
+    assert http("POST", base + "/continue_generation", {})[0] == 200
+    code, _ = http("POST", base + "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}}, timeout=10)
+    assert code == 200
+
+
+def test_a_slowed_scheduler_that_steps_within_the_timeout_is_not_ended(procs: Procs) -> None:
+    p, port, _, err = start_server(procs, "--watchdog-timeout", "1")
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(port)
+    procs.remember(server_info(port)["stand_in_files"])
+    assert http("POST", base + "/slow_down", {"forward_sleep_time": 0.3})[0] == 200
+    _long_generation(port, 1)
+    time.sleep(4.0)
+    assert p.poll() is None and "Scheduler watchdog timeout" not in err.read_text()
 
 
 def test_describe_exit_names_the_sigquit_and_watchdog_paths() -> None:

@@ -686,8 +686,21 @@ class ManagedProcess:
         at = time.strftime("%H:%M:%S", time.localtime(since))
         self.sink.event(f"{self.name}: not serving since {at} ({time.time() - since:.0f} s, more than paused_warn "
                         f"{self.spec.paused_warn_s:g} s): paused, latched by a failed /health, or draining; "
-                        "nothing resumes it but its own admin (POST /continue_generation with its admin key)",
+                        "nothing resumes it but its own admin (POST /continue_generation with its admin key)"
+                        + self._watchdog_note(),
                         4, GPUSUP_PROCESS=self.name, GPUSUP_EVENT="not-serving-too-long")
+
+    def _watchdog_note(self) -> str:
+        """For a server: that SGLang ends a pause in place with requests running on its own. Its
+        scheduler's watchdog counts a held batch as a stuck forward pass, and a pause in place
+        keeps the running batch: the real server, paused so with 2 requests running, was ended
+        447 s in (H100, 2026-12-07; --watchdog-timeout 300, looked at every 150 s)."""
+        if self.spec.kind != "server" or self.spec.probe.scheduler_path is None:
+            return ""
+        timeout = self.spec.probe.scheduler_timeout_s
+        return (f"; a pause in place (mode in_place) with requests running is ended by SGLang's own watchdog "
+                f"{timeout:g}-{1.5 * timeout:g} s after its last step (--watchdog-timeout), and then restarted: "
+                "pause with mode retract to hold requests longer")
 
     @property
     def exit_report(self) -> str:

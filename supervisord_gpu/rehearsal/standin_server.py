@@ -167,7 +167,20 @@ stuck for --watchdog-timeout (default 300) prints, per scheduler, "Scheduler deb
 size and reqs), py-spy's failures ("Pyspy failed (py-spy dump --native --pid N). Error: ...",
 "All pyspy dump attempts failed for PID N."), "Scheduler watchdog timeout
 (self.watchdog_timeout=300, self.soft=False)", an empty line on stderr and stdout, sleeps 5 s and
-SIGQUITs the main process: the crash path above.
+SIGQUITs the main process: the crash path above, with its diagnostics (below).
+The same watchdog without a fault: every --watchdog-timeout / 2 it reads forward_ct (one more per
+step of a batch) while a batch is held or running; unchanged for longer than --watchdog-timeout, it
+ends the server the same way. A pause in place keeps the running batch, so a pause of 300-450 s
+with requests running ends the real server (the H100, 2026-12-07: 447 s); retract and abort
+pauses, an idle server and a stopped scheduler are not watched; a /slow_down sleep longer than the
+timeout is.
+Crash diagnostics: with live schedulers (the watchdog's SIGQUIT), the running-phase handler first
+logs "Sleeping 5 seconds before crash diagnostics to let GPU activity settle.", sleeps 5 s, runs
+py-spy on the schedulers ("Pyspy failed (...)"), asks for CUDA coredumps and logs "Waiting 60.0
+seconds for CUDA coredumps before exiting.", sleeping SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS
+(60 s) before the kill (tokenizer_manager.py:3394-3506; SGLANG_PYSPY_DUMP_BEFORE_CRASH and
+SGLANG_CUDA_COREDUMP_BEFORE_CRASH both false skip it). Its event loop is blocked meanwhile: the
+front end answers nothing.
 With SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=1, a scheduler exception SIGKILLs the whole process
 group instead (os.killpg(0)): whatever group the stand-in was started in. Genuine start-up
 failures it imitates (missing --model-path, invalid device ordinal, CUDA out of memory on the
@@ -321,6 +334,11 @@ DEFAULT_STEP_S = 0.02  # one scheduler step (prefill or decode of the running ba
 SCHEDULER_ASK_POLL_S = 0.05  # how often a /server_info waiting on the scheduler looks again
 PAUSE_ABORT_RECHECK_S = 1.0  # pause_generation(abort): `await asyncio.sleep(1.0)` between abort rounds
 WATCHDOG_SIGQUIT_DELAY_S = 5.0  # WatchdogRaw: `time.sleep(5)` after its lines, then SIGQUIT to the parent
+WATCHDOG_COUNT_POLL_S = 0.5  # how often the stand-in's forward_ct follows the batch (SGLang counts each step)
+CRASH_DIAGNOSTICS_SLEEP_S = 5.0  # dump_requests_before_crash: "Sleeping 5 seconds before crash diagnostics"
+ENV_PYSPY_BEFORE_CRASH = "SGLANG_PYSPY_DUMP_BEFORE_CRASH"  # environ.py:401, default true
+ENV_COREDUMP_BEFORE_CRASH = "SGLANG_CUDA_COREDUMP_BEFORE_CRASH"  # environ.py:402, default true
+ENV_COREDUMP_WAIT = "SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS"  # environ.py:403, default 60.0
 MM_SEGMENT_BYTES = 4096
 WARMUP_FIRST_SLEEP_S = 1.0  # _execute_server_warmup sleeps 1 s before each GET /model_info
 WARMUP_TRIES = 120
@@ -842,6 +860,11 @@ class StandinServer:
         self.resumed_at = 0.0  # monotonic: the last /continue_generation
         self.pause_cond = threading.Condition(self.lock)  # is_pause_cond
         self.stuck = False  # watchdog-timeout fault: a forward pass never returns
+        #: the scheduler's forward_ct as its WatchdogRaw reads it: one more per step of a batch
+        self.forward_ct = 0
+        self._slow_steps = -1
+        #: the front end's SIGQUIT handler is in its crash diagnostics: its event loop answers nothing
+        self.dying = False
         #: POST /slow_down's forward_sleep_time: the scheduler sleeps this long before each batch
         self.forward_sleep: float | None = None
         self.slowed_at = 0.0  # monotonic: when it was set (its step clock starts there)
@@ -1446,6 +1469,8 @@ class StandinServer:
         if fault and fault.kind == "watchdog-timeout":
             threading.Thread(target=self._stuck_forward, args=(fault.seconds,), name="scheduler-watchdog",
                              daemon=True).start()
+        elif self.is_generation:
+            threading.Thread(target=self._scheduler_watchdog, name="scheduler-watchdog", daemon=True).start()
 
     def _stuck_forward(self, seconds: float) -> None:
         """The watchdog-timeout fault: a forward pass that never returns, found by the scheduler's
@@ -1460,7 +1485,56 @@ class StandinServer:
         time.sleep(max(0.0, self.ready_at + seconds - time.monotonic()))
         self.watchdog_lines(timeout)
         time.sleep(WATCHDOG_SIGQUIT_DELAY_S)
-        self.crash([])
+        self.crash([], diagnostics=True)
+
+    def _scheduler_watchdog(self) -> None:
+        """The scheduler's WatchdogRaw as SGLang 0.5.23 runs it (utils/watchdog.py:124-161 with
+        scheduler_components/invariant_checker.py:494-528): every --watchdog-timeout / 2 it reads
+        forward_ct while the scheduler is active (cur_batch_for_debug set), and a count unchanged
+        for longer than --watchdog-timeout ends the server. A pause in place keeps the batch (the
+        H100, 2026-12-07: a 10-minute pause with 2 requests running was ended 447 s in); a
+        retract or abort pause, or an idle server, has none; a /slow_down sleep longer than the
+        timeout holds it. A stopped scheduler's watchdog thread is stopped with it."""
+        timeout = float(self.args.watchdog_timeout)
+        last_counter, last_time = 0, time.monotonic()
+        while True:
+            until = time.monotonic() + timeout / 2
+            while time.monotonic() < until:
+                time.sleep(min(WATCHDOG_COUNT_POLL_S, max(0.0, until - time.monotonic())))
+                self._count_steps()
+            if not self.scheduler_responsive() and not self.stuck:
+                continue  # SIGSTOPped: its watchdog thread too
+            now = time.monotonic()
+            if self._batch_held_or_running():
+                if self.forward_ct == last_counter:
+                    if now > last_time + timeout:
+                        break
+                else:
+                    last_counter, last_time = self.forward_ct, now
+        self.watchdog_lines(timeout)
+        time.sleep(WATCHDOG_SIGQUIT_DELAY_S)
+        self.crash([], diagnostics=True)
+
+    def _batch_held_or_running(self) -> bool:
+        """cur_batch_for_debug is set: requests in the running batch, not retracted by a pause
+        (a pause in place keeps them; abort leaves none)."""
+        with self.lock:
+            running = any((r.admitted and not r.aborted) or r.health for r in self.requests.values())
+            retracted = self.paused and self.pause_mode == "retract"
+        return running and not retracted
+
+    def _count_steps(self) -> None:
+        """forward_ct goes up by one per step the scheduler runs: while a batch runs and is not
+        held (a pause, a stuck pass, a stop), and, under /slow_down, once per step period."""
+        if not self._batch_held_or_running() or not self._scheduler_runs_batches():
+            return
+        if self.forward_sleep:
+            steps = int((time.monotonic() - self.slowed_at) / self.step_period())
+            if steps != self._slow_steps:
+                self._slow_steps = steps
+                self.forward_ct += 1
+        else:
+            self.forward_ct += 1
 
     def watchdog_lines(self, timeout: float) -> None:
         """What WatchdogRaw._watchdog_once prints in each scheduler: its debug info, py-spy's
@@ -1655,20 +1729,54 @@ class StandinServer:
             return "SIGQUIT received. signum=None, frame=None. It usually means one child failed."
         return "Received sigquit from a child process. It usually means the child failed."
 
-    def crash(self, lines: list[str]) -> NoReturn:
-        """SGLang's SIGQUIT path: kill the children (tree), then SIGKILL itself. Files stay."""
+    def crash(self, lines: list[str], diagnostics: bool = False) -> NoReturn:
+        """SGLang's SIGQUIT path: kill the children (tree), then SIGKILL itself. Files stay.
+
+        `diagnostics`: the schedulers are alive (their watchdog sent the SIGQUIT), and the
+        running-phase handler's dump_requests_before_crash (tokenizer_manager.py:3394-3506)
+        first sleeps 5 s, runs py-spy on them and asks for CUDA coredumps, then waits
+        SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS (60 s) before the kill: its event loop is
+        blocked all that time, so the front end answers nothing (seen on the H100, 2026-12-07)."""
         if not self.crashing.acquire(blocking=False):
             while True:  # another thread is already taking the process down
                 time.sleep(3600)
         for line in lines:
             self.log(line, ERROR)
         self.log(self.sigquit_line(), ERROR)
+        if diagnostics and self.handler_installed.is_set():
+            self._crash_diagnostics()
         self._kill_children()
         sys.stdout.flush()
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
         while True:
             time.sleep(3600)
+
+    def _crash_diagnostics(self) -> None:
+        """dump_requests_before_crash's py-spy and CUDA coredump steps, with their waits."""
+        def flag(name: str) -> bool:
+            return os.environ.get(name, "true").strip().lower() not in ("0", "false", "no", "off", "")
+        pyspy, coredump = flag(ENV_PYSPY_BEFORE_CRASH), flag(ENV_COREDUMP_BEFORE_CRASH)
+        if not (pyspy or coredump):
+            return
+        self.dying = True
+        self.log("Sleeping 5 seconds before crash diagnostics to let GPU activity settle.")
+        time.sleep(CRASH_DIAGNOSTICS_SLEEP_S)
+        for c in self.schedulers():
+            if pyspy:
+                for cmd in (f"py-spy dump --native --pid {c.pid}", f"py-spy dump  --pid {c.pid}"):
+                    self.log(f"Pyspy failed ({cmd}). Error: /bin/sh: 1: py-spy: not found\n", ERROR)
+                self.log(f"All pyspy dump attempts failed for PID {c.pid}.", ERROR)
+        if coredump:
+            self.log("CUDA user-triggered coredump is not enabled. Set CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1 "
+                     "before CUDA initialization.", WARNING)
+            try:
+                wait = float(os.environ.get(ENV_COREDUMP_WAIT, "60"))
+            except ValueError:
+                wait = 60.0
+            if wait > 0:
+                self.log(f"Waiting {wait:.1f} seconds for CUDA coredumps before exiting.")
+                time.sleep(wait)
 
     # -- request handling (called from handler threads) --------------------------------
 
@@ -2286,13 +2394,20 @@ def _make_handler(app: StandinServer) -> type[JSONHandler]:
 
         def do_GET(self) -> None:
             with self.server.inflight:
+                self._unless_dying()
                 if not self._refused():
                     self._get()
 
         def do_POST(self) -> None:
             with self.server.inflight:
+                self._unless_dying()
                 if not self._refused():
                     self._post()
+
+        def _unless_dying(self) -> None:
+            """The SIGQUIT handler's crash diagnostics block the event loop: no answer, ever."""
+            while app.dying:
+                time.sleep(3600)
 
         def _get(self) -> None:
             self.dispatch({
