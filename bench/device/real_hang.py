@@ -16,8 +16,12 @@ The profile `hang` is the shipped server defaults (liveness 3 x (10 + 20) s, sch
 300 s, hang_window 15 s, hang_interval 2 s) plus `--enable-metrics`. Cases, in order:
 
     busy  first_start   the first start (weights, KV cache, CUDA-graph capture): not killed
-    busy  pause         POST /pause_generation (in_place) with requests held, --pause-s (the
-                        issue's 10 min is --pause-s 600: alone it fills a device call)
+    busy  pause         POST /pause_generation (--pause-mode, in_place by default) with requests
+                        held, --pause-s (the issue's 10 min is --pause-s 600: alone it fills a
+                        device call). SGLang's own scheduler watchdog ends a pause in place with
+                        requests running --watchdog-timeout to 1.5 x that after the last step (the
+                        H100, 2026-12-07, run 4: 447 s), so a pause longer than 300 s is run with
+                        --pause-mode retract (the requests are held queued; nothing watches them)
     busy  slow          POST /slow_down 2 s per step under 4 clients, --slow-s
     busy  long_prefill  one prompt of the longest input the server takes (max_req_input_len)
     busy  stall_latch   a 6 s scheduler stall (SIGSTOP) during a /health: /ready latched 503
@@ -51,18 +55,18 @@ table, on the device machine:
 
     call 1, carry [".sgl"]:
       python3 bench/device/real_pd.py unpack && python3 bench/device/real_hang.py detach \
-        --out-dir /tmp/rh-long --mode real --beside 2 --pause-s 600 --busy-runs 8 --slow-s 10 --budget 1000
+        --out-dir /tmp/rh-long --mode real --beside 1 --pause-s 600 --pause-mode retract --busy-runs 8 \
+        --slow-s 10 --budget 950
     calls 2..n, back to back, each within 30 s of the last, until the exit code is not 3:
       python3 bench/device/real_hang.py collect --out-dir /tmp/rh-long --out $OUT --wait 540
 
-That is about 15 device minutes, estimated from the H100 figures (run 3, 2026-12-07: a first
-start 49 s on a warm machine, 85 s cold; one round of slow (10 s) + long_prefill + stall_latch
-38 s; a hang case 42-48 s with its restart): ~90 (the machine's start) + 40 (unpack) + 150 (the
-first start, the 2 sharers one after another) + 611 + 30 s, with the 8 rounds and the 4 hang
-cases (~490 s) inside the pause: 2 pause runs of 10 minutes and 1 + 24 other busy runs, 27 in
-all (--beside 6 adds 4 pauses and ~2 minutes of starts). Without --beside (--pause-runs 1 --busy-runs 12): ~26 minutes for 1 pause; the issue's
-literal 20 rounds each with a 10-minute pause, one after another, ~3.8 hours; --today-s 320 adds
-~20 minutes.
+That is about 15 device minutes (run 4, 2026-12-07, H100, with --pause-mode in_place: detach
+496 s after the call began, the whole run 756 s; its first start 123 s for both servers on a cold
+machine; 8 rounds of slow (10 s) + long_prefill + stall_latch in 424 s and the 4 hang cases
+inside the pause): 1 pause run of 10 minutes, the first start and 24 other busy runs, 26 in all
+(--beside 2 adds a pause and ~35 s of starts). Without --beside (--pause-runs 1 --busy-runs 12):
+~26 minutes for 1 pause; the issue's literal 20 rounds each with a 10-minute pause, one after
+another, ~3.8 hours; --today-s 320 adds ~20 minutes.
 On CPU: `.venv/bin/python bench/device/real_hang.py detach --out-dir /tmp/rh-long --mode standin
 --pause-s 20 --busy-runs 2 --pause-runs 1 --slow-s 10 --standin-startup 3 --budget 880`, then
 `collect --out-dir /tmp/rh-long --out /tmp/rh-out --wait 30` until it exits 0.
