@@ -28,7 +28,7 @@ WINDOW = 4.0  # the hang cases' window; the busy cases run under a 2 s one (the 
 BUSY_WINDOW = 2.0
 
 
-def profile(port: int, env: dict[str, str] | None = None, window: float = WINDOW) -> str:
+def profile(port: int, env: dict[str, str] | None = None, window: float = WINDOW, options: str = "") -> str:
     lines = "\n".join(f'{k} = "{v}"' for k, v in (env or {}).items())
     return f"""
         [servers.server]
@@ -38,6 +38,7 @@ def profile(port: int, env: dict[str, str] | None = None, window: float = WINDOW
         probe = {{ hang_window = {window:g}, hang_interval = 0.25 }}
         [servers.server.options]
         enable-metrics = true
+        {options}
         [servers.server.env]
         {lines}
         """
@@ -76,9 +77,9 @@ def _quiet(fn, *args):  # type: ignore[no-untyped-def]
 
 
 def setup(tmp_path, cgroups, env: dict[str, str] | None = None, startup: float = 0.3,  # type: ignore[no-untyped-def]
-          window: float = WINDOW):
+          window: float = WINDOW, options: str = ""):
     (port,) = free_ports(1)
-    cdir = write_config(tmp_path, {"p": profile(port, env, window)}, cgroups.root, startup=startup)
+    cdir = write_config(tmp_path, {"p": profile(port, env, window, options)}, cgroups.root, startup=startup)
     instance, _ = make_instance(cdir, "p")
     proc = instance.processes["server"]
     proc.sink = journal = Journal(proc.sink)
@@ -151,6 +152,31 @@ def test_a_scheduler_blocked_with_requests_in_flight_is_killed_within_the_hang_b
     assert took <= bound and "its scheduler neither answered nor worked" in why, (took, why)
     (line, _), = journal.of("hang")
     assert "/server_info: unanswered for" in line and "1 in flight" in line, line
+
+
+def test_a_pause_in_place_past_sglangs_own_watchdog_ends_in_sglangs_crash_and_is_restarted(tmp_path, cgroups):
+    """The real SGLang (H100, 2026-12-07): paused in place with requests running, its scheduler's
+    watchdog ended it 447 s in, and its front end answered nothing through 65 s of crash
+    diagnostics; our verdict killed it and it was restarted. Here --watchdog-timeout 2."""
+    port, instance, proc, journal = setup(tmp_path, cgroups, {"SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS": "60"},
+                                          options="watchdog-timeout = 2")
+
+    async def go() -> None:
+        await instance.start()
+        pid = proc.pid
+        key = read_key(proc.launch.admin_key)
+        in_flight(port)
+        await asyncio.sleep(0.3)
+        assert await asyncio.to_thread(http, "POST", port, "/pause_generation", {"mode": "in_place"}, key=key) == 200
+        await _until(lambda: proc.pid != pid and proc.state == State.READY, 60)
+        await instance.stop()
+
+    began = time.monotonic()
+    asyncio.run(go())
+    assert time.monotonic() - began < 40, "killed while SGLang's diagnostics held it, not after its 60 s wait"
+    assert proc.restarts_total == 1
+    ends = [m for m, _ in journal.of("exit")]
+    assert len(ends) == 1 and "Scheduler watchdog timeout" in ends[0], ends
 
 
 def test_busy_servers_are_left_alone_paused_slowed_long_requests_and_a_stall_that_latches_ready(tmp_path, cgroups):
