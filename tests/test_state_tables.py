@@ -412,3 +412,37 @@ def test_a_phase_scan_runs_off_the_event_loop_and_its_failure_is_one_line(engine
     assert on and threading.main_thread().name not in on, on
     failed = [(m, p) for m, p, _ in sink.events if "scan of its shared-memory files failed" in m]
     assert failed == [("alpha: scan of its shared-memory files failed: OSError: maps unreadable", 4)], failed
+
+
+def test_a_server_that_dies_during_the_scan_at_ready_fails_its_start_and_is_not_left_ready(engine, monkeypatch):
+    """The scan at ready runs on a worker thread: an exit while it runs must still be seen (the
+    hostile review's repro: the process died mid-scan, the engine declared it READY, dead, and
+    nothing ever restarted it)."""
+    import time
+
+    from supervisord_gpu.errors import SupervisorError
+    from supervisord_gpu.ownership.files import ShmTracker
+
+    instance, _, _ = engine
+    alpha = instance.processes["alpha"]
+    killed: list[int] = []
+
+    def dying_scan(self: ShmTracker, pids: object) -> None:
+        if not killed and alpha.spawned is not None:  # the first scan: the one at ready
+            killed.append(alpha.spawned.pid)
+            alpha.spawned.proc.send_signal(signal.SIGKILL)
+            time.sleep(0.5)  # its exit is seen meanwhile
+
+    monkeypatch.setattr(ShmTracker, "scan", dying_scan)
+
+    async def go() -> str:
+        try:
+            await instance.start()
+            return f"started: alpha {alpha.state.value}, exited {alpha._exited.is_set()}"
+        except SupervisorError as e:
+            return str(e)
+        finally:
+            await instance.stop()
+
+    said = run(go())
+    assert killed and "alpha: exited during start-up (killed by SIGKILL)" in said, said

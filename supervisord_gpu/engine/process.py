@@ -473,12 +473,16 @@ class ManagedProcess:
                 ours = await self._check_bootstrap_listener()
             if status == 200 and ours and spec.kind == "router" and await self._router_not_ready():
                 status = 503
+            if status == 200 and ours:
+                # the files it uses, noted on a worker thread before the exit check below: nothing
+                # may be awaited between that check and READY (an exit meanwhile would be missed,
+                # its restart with it, and a dead server left READY)
+                await asyncio.to_thread(self._scan_files)
             if status == 200 and ours and not self._exited.is_set():
                 self.ready_since = time.time()
                 self.phase_durations["total"] = time.monotonic() - started
                 self._set_phase(phases.SERVING)
                 self.progress_text = ""
-                await asyncio.to_thread(self._scan_files)
                 self._set_state(ProcessState.READY)
                 self._start_liveness()
                 self.sink.event(
