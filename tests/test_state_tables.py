@@ -446,3 +446,41 @@ def test_a_server_that_dies_during_the_scan_at_ready_fails_its_start_and_is_not_
 
     said = run(go())
     assert killed and "alpha: exited during start-up (killed by SIGKILL)" in said, said
+
+
+def test_phases_that_come_while_a_scan_runs_make_one_more_scan_not_a_queue(engine, monkeypatch):
+    """A child that prints phase lines as fast as it can (model code may) costs at most one scan
+    running and one after it, never a queue of scans holding the shared worker threads."""
+    import threading
+    import time
+
+    from supervisord_gpu.ownership.files import ShmTracker
+
+    instance, _, _ = engine
+    alpha = instance.processes["alpha"]
+    scans: list[float] = []
+    at_once = [0, 0]  # now, most
+    lock = threading.Lock()
+
+    def slow_scan(self: ShmTracker, pids: object) -> None:
+        with lock:
+            at_once[0] += 1
+            at_once[1] = max(at_once)
+        scans.append(time.monotonic())
+        time.sleep(0.3)
+        with lock:
+            at_once[0] -= 1
+
+    async def go() -> None:
+        await instance.start()
+        monkeypatch.setattr(ShmTracker, "scan", slow_scan)
+        for i in range(200):
+            alpha._on_line("[x] Load weight begin." if i % 2 else "[x] Capture CUDA graph begin.", "stderr")
+        await until(lambda: len(scans) >= 2 and not alpha._scans, "the scans done")
+        await asyncio.sleep(0.5)
+        seen.extend([len(scans), at_once[1]])
+        await instance.stop()
+
+    seen: list[int] = []
+    run(go())
+    assert seen == [2, 1], seen  # (scans, most at once) before the stop's own

@@ -146,6 +146,7 @@ class ManagedProcess:
         self._tasks: list[asyncio.Task[None]] = []
         #: the phase scans under way on worker threads (kept so none is collected mid-run)
         self._scans: set[asyncio.Future[None]] = set()
+        self._scan_again = False  # a phase came while one ran: scan once more when it ends
         self._liveness: asyncio.Task[None] | None = None
         self._hang: asyncio.Task[None] | None = None  # the hang verdict's watch (engine/hang.py)
         self._stopping = False
@@ -370,6 +371,12 @@ class ManagedProcess:
         except RuntimeError:  # no loop (a test driving the reader by hand): as before
             self._scan_files()
             return
+        if self._scans:  # one at a time: phases that come meanwhile make one more scan, not a queue
+            self._scan_again = True
+            return
+        self._start_scan(loop)
+
+    def _start_scan(self, loop: asyncio.AbstractEventLoop) -> None:
         scan = loop.run_in_executor(None, self._scan_files)
         self._scans.add(scan)
         scan.add_done_callback(self._scan_done)
@@ -379,6 +386,9 @@ class ManagedProcess:
         if not scan.cancelled() and (error := scan.exception()) is not None:
             self.sink.event(f"{self.name}: scan of its shared-memory files failed: {type(error).__name__}: {error}", 4,
                             GPUSUP_PROCESS=self.name)
+        if self._scan_again:
+            self._scan_again = False
+            self._start_scan(scan.get_loop())
 
     async def _check_listener(self) -> bool:
         """Is whoever listens on our port one of ours? Raises StartError naming a stranger.
@@ -789,6 +799,8 @@ class ManagedProcess:
                 except (TimeoutError, Exception):
                     task.cancel()
         await group.release()
+        if self._scans:  # a phase scan still under way ends first (what it noted is removed below)
+            await asyncio.wait(set(self._scans), timeout=KILL_GRACE_S)
         removed = await asyncio.to_thread(self._remove_leftover_files)
         if removed:
             self.sink.event(f"{self.name}: removed {len(removed)} file(s) it left behind: {', '.join(removed[:8])}"
