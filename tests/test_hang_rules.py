@@ -22,14 +22,19 @@ class Server:
         self.ticks = {FRONT: 0, SCHED: 0, DETOK: 0}
         self.state = {FRONT: "S", SCHED: "R", DETOK: "S"}
         self.rate = {FRONT: 1, SCHED: 200, DETOK: 0}  # ticks per look
+        #: of those, its main thread's per look (None: the main thread is not read)
+        self.main_rate: dict[int, int | None] = {FRONT: None, SCHED: None, DETOK: None}
+        self.main_ticks = {FRONT: 0, SCHED: 0, DETOK: 0}
         self.tokens = 0.0
 
     def look(self, at: float, **kw) -> Observation:  # type: ignore[no-untyped-def]
         for pid, rate in self.rate.items():
             if self.state[pid] not in "Tt":
                 self.ticks[pid] += rate
+                self.main_ticks[pid] += self.main_rate[pid] or 0
         roles = {FRONT: "front end", SCHED: "scheduler", DETOK: "detokenizer"}
-        procs = tuple(ProcSample(pid, roles[pid], self.state[pid], self.ticks[pid]) for pid in roles)
+        procs = tuple(ProcSample(pid, roles[pid], self.state[pid], self.ticks[pid],
+                                 None if self.main_rate[pid] is None else self.main_ticks[pid]) for pid in roles)
         kw.setdefault("metrics", ServerMetrics(running=0, queued=0, generation_tokens=self.tokens, requests=0))
         kw.setdefault("serving", True)
         return Observation(at=at, processes=procs, **kw)
@@ -86,18 +91,29 @@ def test_a_blocked_scheduler_whose_helper_threads_wake_is_still_hung():
     """The real blocked scheduler spent 0.75-0.94 % of a core in its helper threads (runs 2-3),
     and once over 1 %, which the old floor called work: it lived on, hung, for 2 minutes
     (2026-12-07, H100). Up to a few per cent it is no work."""
-    for ticks_per_look in (2, 3, 6):  # 1 %, 1.5 %, 3 % of a core at 100 ticks a second
+    for ticks_per_look in (2, 3, 6, 18):  # 1 %, 1.5 %, 3 %, 9 % of a core at 100 ticks a second
         s = Server()
-        s.rate[SCHED], s.state[SCHED] = ticks_per_look, "S"
+        s.rate[SCHED], s.main_rate[SCHED], s.state[SCHED] = ticks_per_look, 0, "S"  # its main thread sleeps
         at, verdict = run(s, 60, scheduler_waiting_since=0.5)
         assert at is not None and at <= WINDOW + 2 * STEP, (ticks_per_look, at)
         assert "its scheduler neither answered nor worked" in verdict.kill
+        assert "(0.00 s its main thread)" in verdict.evidence, verdict.evidence
 
 
 def test_a_scheduler_that_works_a_tenth_of_a_core_without_answering_is_busy():
     s = Server()
-    s.rate[SCHED], s.state[SCHED] = 20, "S"  # 10 % of a core: work, however slow
+    s.rate[SCHED], s.main_rate[SCHED], s.state[SCHED] = 20, 0, "S"  # 10 % of a core: work, however slow
     assert run(s, 120, scheduler_waiting_since=0.5)[0] is None
+
+
+def test_a_main_thread_that_works_slowly_without_answering_is_busy():
+    """SGLang loads a LoRA adapter (or weights by model id) on the scheduler's main thread,
+    downloading: a few per cent of a core, the GPU idle, /server_info unanswered. Its main
+    thread's work spares it; so does any work where the main thread cannot be read."""
+    for main_rate in (3, None):  # 1.5 % of a core, on the main thread / not read
+        s = Server()
+        s.rate[SCHED], s.main_rate[SCHED], s.state[SCHED] = 3, main_rate, "S"
+        assert run(s, 120, scheduler_waiting_since=0.5)[0] is None, main_rate
 
 
 def test_a_spinning_scheduler_that_does_not_answer_us_is_busy_not_hung():

@@ -30,10 +30,11 @@ Verdicts (each condition must hold at every sample for `window` seconds):
 * **stopped**: a front end, scheduler, detokenizer or dp controller in state T: hung;
 * **scheduler blocked**: work waits on the scheduler (our /server_info unanswered since the
   window began; where the scheduler refuses us, 401 under `--api-key`, the metrics' requests
-  in flight while /ready said 200), no progress, no scheduler or detokenizer CPU above
-  `cpu_floor`, none of them running, and no GPU utilization above `gpu_floor`: hung;
-* **front end wedged**: our request to the front end unanswered since the window began, and
-  its CPU below `cpu_floor`, not running, no progress: hung;
+  in flight while /ready said 200), no progress, no scheduler or detokenizer that worked (CPU
+  under `cpu_floor` and its main thread under `main_cpu_floor`), none of them running, and no
+  GPU utilization above `gpu_floor`: hung;
+* **front end wedged**: our request to the front end unanswered since the window began, the
+  front end did not work (the same floors), not running, no progress: hung;
 * anything else is busy or idle, and left alone.
 
 Never hung by construction: a pause (/ready 503; the scheduler answers /server_info and
@@ -58,12 +59,17 @@ JUDGED_ROLES = ("front end", "scheduler", "detokenizer", "dp controller")
 WORKERS = ("scheduler", "detokenizer", "dp controller")
 STOPPED_STATES = "Tt"
 WORKING_STATES = "RD"
-#: below this share of one core over the window a process did no work: a real scheduler spins
-#: at ~100 %, while a blocked one spends what its helper threads' wake-ups cost. On the real
-#: SGLang 0.5.23 (H100) that was 0.75 % and 0.94 % of a core (0.12 s and 0.15 s over 16 s), and
-#: once enough over 1 % (the floor until 2026-12-07) to be called working for 2 minutes: the
-#: floor sits between the two by a factor of ten each way
+#: A process did work over the window when it spent this share of one core or more: a real
+#: scheduler spins at ~100 %, while a blocked one spends what its helper threads' wake-ups cost.
+#: On the real SGLang 0.5.23 (H100) that was 0.75 % and 0.94 % of a core (0.12 s and 0.15 s over
+#: 16 s), and once enough over 1 % (the only floor until 2026-12-07) to be called working for 2
+#: minutes: this floor sits between the two by a factor of ten each way ...
 CPU_FLOOR = 0.10
+#: ... or when its main thread alone spent this share: SGLang's scheduler runs its loop there, and
+#: work the loop does slowly (a LoRA adapter or weights downloaded on that thread: a few per cent
+#: of a core, the GPU idle) shows there, while a blocked main thread spends nothing. Where the
+#: main thread cannot be read, this floor applies to the whole process (the rule until 2026-12-07).
+MAIN_CPU_FLOOR = 0.01
 #: NVML utilization (percent of time a kernel ran) at or above this at any sample: the GPU works
 GPU_FLOOR = 5.0
 
@@ -76,6 +82,7 @@ class ProcSample:
     role: str  # sglang/server_metrics.role_of; "" for a process not judged
     state: str  # the state letter ("R", "S", "D", "T", ...); "" when unreadable
     cpu_ticks: int | None  # utime + stime in clock ticks; None when unreadable
+    main_ticks: int | None = None  # the same of its main thread alone; None when unreadable
 
 
 @dataclass(frozen=True)
@@ -105,10 +112,11 @@ class HangWatch:
     """The hang decisions of one ready server, fed one Observation per look."""
 
     def __init__(self, window_s: float, clk_tck: int = 100, cpu_floor: float = CPU_FLOOR,
-                 gpu_floor: float = GPU_FLOOR) -> None:
+                 gpu_floor: float = GPU_FLOOR, main_cpu_floor: float = MAIN_CPU_FLOOR) -> None:
         self.window_s = window_s
         self.clk_tck = clk_tck
         self.cpu_floor = cpu_floor
+        self.main_cpu_floor = main_cpu_floor
         self.gpu_floor = gpu_floor
         self.stopped_since: dict[int, float] = {}
         self.history: collections.deque[Observation] = collections.deque()
@@ -179,7 +187,13 @@ class HangWatch:
             old = before.get(p.pid)
             if old is None or old.cpu_ticks is None or p.cpu_ticks is None:
                 return True
-            if (p.cpu_ticks - old.cpu_ticks) / self.clk_tck / span >= self.cpu_floor:
+            share = (p.cpu_ticks - old.cpu_ticks) / self.clk_tck / span
+            if share >= self.cpu_floor:
+                return True
+            if old.main_ticks is None or p.main_ticks is None:
+                if share >= self.main_cpu_floor:  # where its work ran is not known: any of it counts
+                    return True
+            elif (p.main_ticks - old.main_ticks) / self.clk_tck / span >= self.main_cpu_floor:
                 return True
         if any(p.role in roles and p.state and p.state in WORKING_STATES for o in window for p in o.processes):
             return True
@@ -204,14 +218,17 @@ class HangWatch:
     def evidence(self, first: Observation, now: Observation) -> str:
         """One line: each process (role, pid, state, CPU over the window), metrics, GPU, waits."""
         span = max(now.at - first.at, 1e-9)
-        before = {p.pid: p.cpu_ticks for p in first.processes}
+        before = {p.pid: p for p in first.processes}
         procs = []
         for p in now.processes:
             if not p.role:
                 continue
-            old = before.get(p.pid)
+            was = before.get(p.pid)
+            old = was.cpu_ticks if was is not None else None
             cpu = (f"{(p.cpu_ticks - old) / self.clk_tck:.2f} s CPU" if old is not None and p.cpu_ticks is not None
                    else "CPU unknown")
+            if was is not None and was.main_ticks is not None and p.main_ticks is not None:
+                cpu += f" ({(p.main_ticks - was.main_ticks) / self.clk_tck:.2f} s its main thread)"
             procs.append(f"{p.role} {p.pid} state {p.state or '?'} {cpu}")
         parts = [f"over {span:.0f} s: " + ", ".join(procs)]
         m = now.metrics

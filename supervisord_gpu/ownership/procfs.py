@@ -99,6 +99,19 @@ def cpu_ticks(pid: int) -> int | None:
         return None
 
 
+def main_thread_ticks(pid: int) -> int | None:
+    """utime + stime in ticks of the process's main thread alone (/proc/PID/task/PID/stat), None
+    when gone or unreadable: where SGLang's scheduler runs its loop, apart from helper threads."""
+    text = read_text(pid, f"task/{pid}/stat")
+    if not text or ")" not in text:
+        return None
+    fields = text.rpartition(")")[2].split()
+    try:
+        return int(fields[11]) + int(fields[12])
+    except (IndexError, ValueError):
+        return None
+
+
 def run_state(pid: int) -> tuple[str, str, int | None] | None:
     """(comm, state letter, utime + stime in ticks) from /proc/PID/stat, None when gone.
     One read for the three, so they describe the same moment (engine/hang.py)."""
