@@ -1,6 +1,7 @@
 """The looks the hang verdict (engine/hang.py) is fed, and the stacks written before its kill.
 
-Each look: /proc/PID/stat of every process of the server's cgroup (role, state, CPU time),
+Each look: /proc/PID/stat of every process of the server's cgroup (role, state, CPU time; the
+main thread's CPU time from /proc/PID/task/PID/stat),
 the state of our two requests kept in flight (a `/server_info` the scheduler answers, a
 `/metrics` the front end answers, with SGLang's counters when `--enable-metrics` is on),
 and NVML utilization of its GPUs where NVML loads. Nothing here decides.
