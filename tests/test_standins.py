@@ -768,6 +768,21 @@ def test_a_pause_in_place_with_a_request_running_is_ended_by_the_schedulers_own_
     assert log.index("Scheduler watchdog timeout") < log.index(RUNNING_SIGQUIT) < log.index(DIAGNOSTICS)
 
 
+def test_a_sigterm_during_the_crash_diagnostics_is_not_handled_the_kill_comes_anyway(procs: Procs) -> None:
+    """SGLang's SIGTERM handler runs on the event loop the diagnostics block: a stop sent then
+    drains nothing and exits nothing; the handler's own SIGKILL ends it."""
+    p, port, _, err = start_server(procs, "--watchdog-timeout", "1", env={S.ENV_COREDUMP_WAIT: "3"})
+    wait_ready(port)
+    procs.remember(server_info(port)["stand_in_files"])
+    _long_generation(port, 60)
+    time.sleep(0.5)
+    assert http("POST", f"http://127.0.0.1:{port}/pause_generation", {"mode": "in_place"})[0] == 200
+    wait_for(lambda: DIAGNOSTICS in err.read_text(), 10, what="the crash diagnostics")
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=15) == -signal.SIGKILL
+    assert "SIGTERM received" not in err.read_text()
+
+
 @pytest.mark.parametrize("mode, running", [("retract", True), ("in_place", False)], ids=["retract", "in-place-idle"])
 def test_a_pause_that_holds_no_batch_outlives_the_schedulers_watchdog(procs: Procs, mode: str, running: bool) -> None:
     """Retract empties the running batch, and an idle server has none: WatchdogRaw is not active."""

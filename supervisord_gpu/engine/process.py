@@ -27,6 +27,7 @@ from ..ownership.shm_watch import SHM_CREATIONS
 from ..sglang import exits
 from ..sglang import logs as phases
 from ..sglang.server_metrics import MAX_BODY as METRICS_MAX_BODY
+from ..sglang.timing import WATCHDOG_S
 from .deadline import StartDeadline
 from .hang import HangVerdict, HangWatch
 from .hang_sampler import CLK_TCK, GpuUtilization, HangSampler, dump_stacks, quoted_lines
@@ -711,10 +712,12 @@ class ManagedProcess:
         447 s in (H100, 2026-12-07; --watchdog-timeout 300, looked at every 150 s)."""
         if self.spec.kind != "server" or self.spec.probe.scheduler_path is None:
             return ""
-        timeout = self.spec.probe.scheduler_timeout_s
+        given = dict(self.spec.options).get("watchdog-timeout")
+        timeout = (float(given) if isinstance(given, (int, float)) and not isinstance(given, bool) and given > 0
+                   else WATCHDOG_S)  # SGLang's own default, whatever our probe's scheduler_timeout says
         return (f"; a pause in place (mode in_place) with requests running is ended by SGLang's own watchdog "
-                f"{timeout:g}-{1.5 * timeout:g} s after its last step (--watchdog-timeout), and then restarted: "
-                "pause with mode retract to hold requests longer")
+                f"{timeout:g}-{1.5 * timeout:g} s after its last step (--watchdog-timeout), then restarted as its "
+                "restart policy allows: pause with mode retract to hold requests longer")
 
     @property
     def exit_report(self) -> str:

@@ -1519,7 +1519,9 @@ class StandinServer:
         """cur_batch_for_debug is set: requests in the running batch, not retracted by a pause
         (a pause in place keeps them; abort leaves none)."""
         with self.lock:
-            running = any((r.admitted and not r.aborted) or r.health for r in self.requests.values())
+            # a /health's generation waits at the pause gate while paused (is_pause_cond): no batch
+            running = any((r.admitted and not r.aborted) or (r.health and not self.paused)
+                          for r in self.requests.values())
             retracted = self.paused and self.pause_mode == "retract"
         return running and not retracted
 
@@ -1560,10 +1562,15 @@ class StandinServer:
         crash_at: float | None = None
         next_check: float | None = None
         while True:
+            if self.dying:  # the SIGQUIT handler's diagnostics block SGLang's event loop: no SIGTERM
+                time.sleep(1.0)  # handler and no drain check run before its kill (a thread's)
+                continue
             now = time.monotonic()
             deadlines = [d for d in (crash_at, next_check) if d is not None]
             timeout = max(0.0, min(deadlines) - now) if deadlines else None
-            ready, _, _ = select.select([self._ctl_r], [], [], timeout)
+            ready, _, _ = select.select([self._ctl_r], [], [], 1.0 if timeout is None else min(timeout, 1.0))
+            if self.dying:
+                continue  # (what came meanwhile is left unread, as on SGLang's blocked loop)
             if ready:
                 try:
                     data = os.read(self._ctl_r, 4096)
