@@ -173,7 +173,7 @@ def test_a_pause_in_place_past_sglangs_own_watchdog_ends_in_sglangs_crash_and_is
 
     began = time.monotonic()
     asyncio.run(go())
-    assert time.monotonic() - began < 40, "killed while SGLang's diagnostics held it, not after its 60 s wait"
+    assert time.monotonic() - began < 60, "killed while SGLang's diagnostics held it, not after its 60 s wait"
     assert proc.restarts_total == 1
     ends = [m for m, _ in journal.of("exit")]
     assert len(ends) == 1 and "Scheduler watchdog timeout" in ends[0], ends

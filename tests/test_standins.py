@@ -757,9 +757,9 @@ def test_a_pause_in_place_with_a_request_running_is_ended_by_the_schedulers_own_
     paused_at = time.monotonic()
     assert http("POST", base + "/pause_generation", {"mode": "in_place"})[0] == 200
     wait_for(lambda: "Scheduler watchdog timeout (self.watchdog_timeout=1.0, self.soft=False)" in err.read_text(),
-             6, what="the scheduler's watchdog")
+             10, what="the scheduler's watchdog")
     fired = time.monotonic() - paused_at
-    assert 0.9 <= fired <= 3.5, fired  # (1, 1.5] s after the last step, + a poll
+    assert 0.9 <= fired <= 6.0, fired  # (1, 1.5] s after the last step, + a poll, + a loaded machine
     wait_for(lambda: DIAGNOSTICS in err.read_text(), 8, what="the crash diagnostics")
     assert status(base + "/ready", timeout=1.0) == 0  # the event loop is blocked: no answer
     assert p.wait(timeout=15) == -signal.SIGKILL
