@@ -86,30 +86,27 @@ def is_zombie(pid: int) -> bool:
     return stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] == "Z" if ")" in stat else False
 
 
-def cpu_ticks(pid: int) -> int | None:
-    """utime + stime of PID in clock ticks (/proc/PID/stat fields 14 and 15), None when gone.
+def _ticks(stat: str | None) -> int | None:
+    """utime + stime in clock ticks (fields 14 and 15) of a `stat` text, None when there is none.
     The comm field may hold spaces and parentheses: fields are counted after its last ')'."""
-    text = read_text(pid, "stat")
-    if text is None:
+    if not stat:
         return None
-    fields = text.rpartition(")")[2].split()
+    fields = stat.rpartition(")")[2].split()
     try:
         return int(fields[11]) + int(fields[12])
     except (IndexError, ValueError):
         return None
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """utime + stime of PID in clock ticks (/proc/PID/stat), None when gone."""
+    return _ticks(read_text(pid, "stat"))
 
 
 def main_thread_ticks(pid: int) -> int | None:
     """utime + stime in ticks of the process's main thread alone (/proc/PID/task/PID/stat), None
     when gone or unreadable: where SGLang's scheduler runs its loop, apart from helper threads."""
-    text = read_text(pid, f"task/{pid}/stat")
-    if not text or ")" not in text:
-        return None
-    fields = text.rpartition(")")[2].split()
-    try:
-        return int(fields[11]) + int(fields[12])
-    except (IndexError, ValueError):
-        return None
+    return _ticks(read_text(pid, f"task/{pid}/stat"))
 
 
 def run_state(pid: int) -> tuple[str, str, int | None] | None:
