@@ -504,10 +504,7 @@ def _never_stricter_than_sglang(p: Table, probe: Probe) -> None:
 def _server_probe_defaults(options: tuple[tuple[str, Any], ...]) -> Probe:
     """A scheduler that answers nothing is hung after SGLang's own --watchdog-timeout: with the
     profile's value when it sets one (we are never stricter than SGLang on itself)."""
-    watchdog = dict(options).get("watchdog-timeout")
-    if isinstance(watchdog, (int, float)) and not isinstance(watchdog, bool) and watchdog > 0:
-        return _replace(SERVER_PROBE, scheduler_timeout_s=float(watchdog))
-    return SERVER_PROBE
+    return _replace(SERVER_PROBE, scheduler_timeout_s=timing.watchdog_s(options))
 
 
 def _server(path: Path, name: str, data: Any, defaults: dict[str, Any], default_env: tuple,

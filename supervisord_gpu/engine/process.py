@@ -27,7 +27,7 @@ from ..ownership.shm_watch import SHM_CREATIONS
 from ..sglang import exits
 from ..sglang import logs as phases
 from ..sglang.server_metrics import MAX_BODY as METRICS_MAX_BODY
-from ..sglang.timing import WATCHDOG_S
+from ..sglang.timing import watchdog_s
 from .deadline import StartDeadline
 from .hang import HangVerdict, HangWatch
 from .hang_sampler import CLK_TCK, GpuUtilization, HangSampler, dump_stacks, quoted_lines
@@ -712,9 +712,7 @@ class ManagedProcess:
         447 s in (H100, 2026-12-07; --watchdog-timeout 300, looked at every 150 s)."""
         if self.spec.kind != "server" or self.spec.probe.scheduler_path is None:
             return ""
-        given = dict(self.spec.options).get("watchdog-timeout")
-        timeout = (float(given) if isinstance(given, (int, float)) and not isinstance(given, bool) and given > 0
-                   else WATCHDOG_S)  # SGLang's own default, whatever our probe's scheduler_timeout says
+        timeout = watchdog_s(self.spec.options)  # SGLang's, whatever our probe's scheduler_timeout says
         return (f"; a pause in place (mode in_place) with requests running is ended by SGLang's own watchdog "
                 f"{timeout:g}-{1.5 * timeout:g} s after its last step (--watchdog-timeout), then restarted as its "
                 "restart policy allows: pause with mode retract to hold requests longer")
@@ -802,6 +800,7 @@ class ManagedProcess:
                 except (TimeoutError, Exception):
                     task.cancel()
         await group.release()
+        self._scan_again = False  # no follow-up scan of a group that is gone
         if self._scans:  # a phase scan still under way ends first (what it noted is removed below)
             await asyncio.wait(set(self._scans), timeout=KILL_GRACE_S)
         removed = await asyncio.to_thread(self._remove_leftover_files)

@@ -1547,9 +1547,7 @@ class StandinServer:
             r = c.rank
             self.log(f"Scheduler debug info:\nscheduler.cur_batch_for_debug.batch_size()={len(reqs)}\n"
                      f"scheduler.cur_batch_for_debug.reqs={[f'Req(rid={rid})' for rid in reqs]}", ERROR, r)
-            for cmd in (f"py-spy dump --native --pid {c.pid}", f"py-spy dump --pid {c.pid}"):
-                self.log(f"Pyspy failed ({cmd}). Error: /bin/sh: 1: py-spy: not found\n", ERROR, r)
-            self.log(f"All pyspy dump attempts failed for PID {c.pid}.", ERROR, r)
+            self._pyspy_failed(c.pid, r)
             self.log(f"Scheduler watchdog timeout (self.watchdog_timeout={timeout!r}, self.soft=False)", ERROR, r)
         sys.stderr.write("\n")
         sys.stderr.flush()
@@ -1759,6 +1757,13 @@ class StandinServer:
         while True:
             time.sleep(3600)
 
+    def _pyspy_failed(self, pid: int, rank: int | None = None) -> None:
+        """pyspy_dump_schedulers with no py-spy in the image: its two tries (the second with two
+        spaces, as the H100 logged it), then its verdict."""
+        for cmd in (f"py-spy dump --native --pid {pid}", f"py-spy dump  --pid {pid}"):
+            self.log(f"Pyspy failed ({cmd}). Error: /bin/sh: 1: py-spy: not found\n", ERROR, rank)
+        self.log(f"All pyspy dump attempts failed for PID {pid}.", ERROR, rank)
+
     def _crash_diagnostics(self) -> None:
         """dump_requests_before_crash's py-spy and CUDA coredump steps, with their waits."""
         def flag(name: str) -> bool:
@@ -1771,9 +1776,7 @@ class StandinServer:
         time.sleep(CRASH_DIAGNOSTICS_SLEEP_S)
         for c in self.schedulers():
             if pyspy:
-                for cmd in (f"py-spy dump --native --pid {c.pid}", f"py-spy dump  --pid {c.pid}"):
-                    self.log(f"Pyspy failed ({cmd}). Error: /bin/sh: 1: py-spy: not found\n", ERROR)
-                self.log(f"All pyspy dump attempts failed for PID {c.pid}.", ERROR)
+                self._pyspy_failed(c.pid)
         if coredump:
             self.log("CUDA user-triggered coredump is not enabled. Set CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1 "
                      "before CUDA initialization.", WARNING)

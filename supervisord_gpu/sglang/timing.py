@@ -43,3 +43,11 @@ NCCL_RANDOM_PORTS = range(22000, 30000)
 #: with --enable-dp-attention (one node) a server also binds --port plus these: the DP
 #: controller's handshake (+13), torch's dist-init port (+233) and five ZMQ channels (+234..+239)
 DP_ATTENTION_PORT_OFFSETS = (13, *range(233, 240))
+
+
+def watchdog_s(options: tuple[tuple[str, object], ...]) -> float:
+    """The server's --watchdog-timeout: a profile's positive number, else SGLang's default."""
+    given = dict(options).get("watchdog-timeout")
+    if isinstance(given, (int, float)) and not isinstance(given, bool) and given > 0:
+        return float(given)
+    return WATCHDOG_S
