@@ -157,6 +157,9 @@ def extra_server(tmp_path: Path) -> Iterator[int]:
                           "--host", "127.0.0.1", "--port", str(port)], env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
+        # up before the test adds it: its start under a loaded CI (4 workers, 2 cores) once took
+        # most of the 20 s the test gives the router to list it (the router retries 1, 2, ... 5 s apart)
+        wait_for(lambda: _ready(port), 60, "the extra server ready")
         yield port
     finally:
         os.killpg(p.pid, 9)
@@ -425,6 +428,13 @@ def test_a_user_key_gets_403_and_the_data_plane_needs_no_key(tmp_path: Path, rou
     finally:
         p.terminate()
         p.wait(30)
+
+
+def _ready(port: int) -> bool:
+    try:
+        return http("GET", port, "/ready")[0] == 200
+    except OSError:
+        return False
 
 
 def _answers(port: int) -> bool:
