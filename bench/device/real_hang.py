@@ -361,7 +361,17 @@ class SchedulerCpu(threading.Thread):
             top = sorted(threads.items(), key=lambda kv: -kv[1])[:4]
             self.samples.append({"t": round(now - began, 1), "ticks": total,
                                  "share_16s": round((total - old[1]) / tck / max(now - old[0], 1e-9), 4),
-                                 "threads": top})
+                                 "threads": top, "main_io": self._io(f"/proc/{self.pid}/task/{self.pid}/io")})
+
+    @staticmethod
+    def _io(path: str) -> dict[str, int] | None:
+        """The main thread's I/O counters (rchar, wchar, syscr, syscw): whether a blocked scheduler's
+        loop still reads or writes anything (a rule for slow I/O on that thread would rest on it)."""
+        try:
+            pairs = (line.split(":", 1) for line in Path(path).read_text().splitlines())
+            return {k: int(v) for k, v in pairs if k in ("rchar", "wchar", "syscr", "syscw")}
+        except (OSError, ValueError):
+            return None
 
 
 def _cont(pid: int) -> None:
