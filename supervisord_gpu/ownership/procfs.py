@@ -109,6 +109,27 @@ def main_thread_ticks(pid: int) -> int | None:
     return _ticks(read_text(pid, f"task/{pid}/stat"))
 
 
+def main_thread_io_calls(pid: int) -> int | None:
+    """Read and write system calls the process's main thread has made (syscr + syscw of
+    /proc/PID/task/PID/io), None when gone or unreadable (the file needs ptrace access: the
+    daemon's root with CAP_SYS_PTRACE). Where SGLang's scheduler loop runs: one that waits on a
+    slow download makes calls while it spends next to no CPU; a blocked or stopped one makes none."""
+    return _io_calls(read_text(pid, f"task/{pid}/io"))
+
+
+def _io_calls(io: str | None) -> int | None:
+    """syscr + syscw of an `io` text, None when there is none or it lacks either."""
+    fields = {}
+    for line in (io or "").splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields[key.strip()] = value.strip()
+    try:
+        return int(fields["syscr"]) + int(fields["syscw"])
+    except (KeyError, ValueError):
+        return None
+
+
 def run_state(pid: int) -> tuple[str, str, int | None] | None:
     """(comm, state letter, utime + stime in ticks) from /proc/PID/stat, None when gone.
     One read for the three, so they describe the same moment (engine/hang.py)."""
