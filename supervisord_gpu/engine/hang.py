@@ -17,7 +17,8 @@ move, not merely that it is slow. What each signal means on SGLang 0.5.23:
   A process in `R` or `D` (running, or in I/O) at a sample is working, and so is one whose
   main thread made a read or write call over the window (/proc/PID/task/PID/io): a scheduler
   loop that waits on a slow download sleeps in `S` between reads, with next to no CPU, while a
-  blocked or stopped loop makes no call at all.
+  blocked or stopped loop makes no call at all (the kernel counts file-layer calls only: a
+  download written to disk or read through TLS shows, a socket's recv alone does not).
 * NVML utilization of its GPUs, where there is NVML: a forward pass (a long prefill, a slow
   collective) keeps it up while the scheduler's CPU may look quiet.
 * Our own requests that wait: a `/server_info` (the scheduler answers it between two batches,
