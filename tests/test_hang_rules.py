@@ -25,9 +25,9 @@ class Server:
         #: of those, its main thread's per look (None: the main thread is not read)
         self.main_rate: dict[int, int | None] = {FRONT: None, SCHED: None, DETOK: None}
         self.main_ticks = {FRONT: 0, SCHED: 0, DETOK: 0}
-        #: read and write calls of its main thread per look (None: /proc/PID/task/PID/io not read)
-        self.io_rate: dict[int, int | None] = {FRONT: None, SCHED: None, DETOK: None}
-        self.io_calls = {FRONT: 0, SCHED: 0, DETOK: 0}
+        #: read calls of its main thread per look (None: /proc/PID/task/PID/io not read)
+        self.read_rate: dict[int, int | None] = {FRONT: None, SCHED: None, DETOK: None}
+        self.reads = {FRONT: 0, SCHED: 0, DETOK: 0}
         self.tokens = 0.0
 
     def look(self, at: float, **kw) -> Observation:  # type: ignore[no-untyped-def]
@@ -35,11 +35,11 @@ class Server:
             if self.state[pid] not in "Tt":
                 self.ticks[pid] += rate
                 self.main_ticks[pid] += self.main_rate[pid] or 0
-                self.io_calls[pid] += self.io_rate[pid] or 0
+                self.reads[pid] += self.read_rate[pid] or 0
         roles = {FRONT: "front end", SCHED: "scheduler", DETOK: "detokenizer"}
         procs = tuple(ProcSample(pid, roles[pid], self.state[pid], self.ticks[pid],
                                  None if self.main_rate[pid] is None else self.main_ticks[pid],
-                                 None if self.io_rate[pid] is None else self.io_calls[pid]) for pid in roles)
+                                 None if self.read_rate[pid] is None else self.reads[pid]) for pid in roles)
         kw.setdefault("metrics", ServerMetrics(running=0, queued=0, generation_tokens=self.tokens, requests=0))
         kw.setdefault("serving", True)
         return Observation(at=at, processes=procs, **kw)
@@ -126,47 +126,49 @@ def test_a_main_thread_that_waits_on_a_slow_download_is_busy():
     between reads, next to no CPU (under both floors), the GPU idle, /server_info unanswered.
     Its read calls spare it, one every look is enough."""
     s = Server()
-    s.rate[SCHED], s.main_rate[SCHED], s.io_rate[SCHED], s.state[SCHED] = 1, 0, 1, "S"
+    s.rate[SCHED], s.main_rate[SCHED], s.read_rate[SCHED], s.state[SCHED] = 1, 0, 1, "S"
     assert run(s, 120, scheduler_waiting_since=0.5)[0] is None
 
 
-def test_a_blocked_main_thread_that_makes_no_call_is_hung_and_the_evidence_counts_its_calls():
-    """A blocked loop (a sleep, a lock, a stopped thread) makes no read or write call; helper
-    threads' calls are not the main thread's (the counters are per thread)."""
+def test_a_blocked_main_thread_that_reads_nothing_is_hung_and_the_evidence_counts_its_reads():
+    """A blocked loop (a sleep, a lock, a stopped thread) makes no read call; helper threads'
+    calls are not the main thread's (the counters are per thread)."""
     s = Server()
-    s.rate[SCHED], s.main_rate[SCHED], s.io_rate[SCHED], s.state[SCHED] = 2, 0, 0, "S"
+    s.rate[SCHED], s.main_rate[SCHED], s.read_rate[SCHED], s.state[SCHED] = 2, 0, 0, "S"
     at, verdict = run(s, 60, scheduler_waiting_since=0.5)
     assert at is not None and at <= WINDOW + 2 * STEP, at
-    assert "(0.00 s its main thread, 0 reads or writes)" in verdict.evidence, verdict.evidence
+    assert "(0.00 s its main thread, 0 reads)" in verdict.evidence, verdict.evidence
 
 
-def test_calls_that_stop_are_no_work_once_the_window_has_passed_them():
+def test_reads_that_stop_are_no_work_once_the_window_has_passed_them():
     """A download that stalls for good (the peer went silent, no timeout): its last read ages out
     of the window, and the scheduler is hung one window later."""
     s, watch = Server(), HangWatch(WINDOW)
-    s.rate[SCHED], s.main_rate[SCHED], s.io_rate[SCHED], s.state[SCHED] = 1, 0, 1, "S"
+    s.rate[SCHED], s.main_rate[SCHED], s.read_rate[SCHED], s.state[SCHED] = 1, 0, 1, "S"
     assert run(s, 40, watch, scheduler_waiting_since=0.5)[0] is None
-    s.io_rate[SCHED] = 0
+    s.read_rate[SCHED] = 0
     at, _ = run(s, 60, watch, start=40, scheduler_waiting_since=0.5)
     assert at is not None and 40 + WINDOW <= at <= 40 + WINDOW + 2 * STEP, at
 
 
-def test_main_thread_io_calls_are_the_main_thread_s_own_and_a_bad_text_is_none():
+def test_main_thread_reads_are_the_main_thread_s_own_reads_and_a_bad_text_is_none():
+    """Per thread, and reads only: a helper thread's reads are not the main thread's, and the
+    main thread's writes (a loop stuck retrying still logs) do not count."""
     import os
     import threading
 
     from supervisord_gpu.ownership import procfs
 
-    assert procfs._io_calls("rchar: 10\nwchar: 2\nsyscr: 7\nsyscw: 3\nread_bytes: 0\n") == 10
-    for bad in (None, "", "syscr: 7\n", "syscr: x\nsyscw: 1\n", "garbage"):
-        assert procfs._io_calls(bad) is None, bad
-    assert procfs.main_thread_io_calls(2**22 + 12345) is None  # no such process
+    assert procfs._reads("rchar: 10\nwchar: 2\nsyscr: 7\nsyscw: 3\nread_bytes: 0\n") == 7
+    for bad in (None, "", "syscw: 7\n", "syscr: x\nsyscw: 1\n", "garbage", "syscr:\n"):
+        assert procfs._reads(bad) is None, bad
+    assert procfs.main_thread_reads(2**22 + 12345) is None  # no such process
     me = os.getpid()
 
     def look() -> int | None:
         """Read from another thread: reading /proc is itself a read call of the reading thread."""
         seen: list[int | None] = []
-        reader = threading.Thread(target=lambda: seen.append(procfs.main_thread_io_calls(me)))
+        reader = threading.Thread(target=lambda: seen.append(procfs.main_thread_reads(me)))
         reader.start()
         reader.join()
         return seen[0]
@@ -175,15 +177,38 @@ def test_main_thread_io_calls_are_the_main_thread_s_own_and_a_bad_text_is_none()
     try:
         before = look()
         assert isinstance(before, int)
-        helper = threading.Thread(target=lambda: [os.write(w, b"x") for _ in range(50)])
+        helper = threading.Thread(target=lambda: [os.read(r, 1) for _ in range(os.write(w, b"x" * 50))])
         helper.start()
         helper.join()
-        assert look() == before  # a helper thread's calls are not counted
-        os.read(r, 50)
-        assert look() == before + 1  # the main thread's are
+        assert look() == before  # a helper thread's reads are not counted
+        for _ in range(20):
+            os.write(w, b"log line\n")  # the main thread writes: not counted
+        assert look() == before
+        os.read(r, 500)
+        assert look() == before + 1  # the main thread's read is
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_a_read_count_that_drops_is_no_work_and_the_evidence_says_it_reset():
+    """Only the child can make it drop (an exec from a helper thread, which takes the PID with
+    its own counters): no evidence of work, as a CPU count that drops is none."""
+    s, watch = Server(), HangWatch(WINDOW)
+    s.rate[SCHED], s.main_rate[SCHED], s.read_rate[SCHED], s.state[SCHED] = 2, 0, 0, "S"
+    s.reads[SCHED] = 10_000
+    t = 0.0
+    verdict = None
+    while t < 60:
+        t += STEP
+        if t == 6.0:
+            s.reads[SCHED] = 10
+        verdict = watch.observe(s.look(t, scheduler_waiting_since=0.5))
+        if verdict.kill:
+            break
+    # killed across the drop (a window that began before it), not only once it aged out
+    assert verdict is not None and verdict.kill and t <= WINDOW + 2 * STEP, t
+    assert "(0.00 s its main thread, its read count reset)" in verdict.evidence, verdict.evidence
 
 
 def test_a_spinning_scheduler_that_does_not_answer_us_is_busy_not_hung():

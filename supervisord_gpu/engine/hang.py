@@ -15,10 +15,10 @@ move, not merely that it is slow. What each signal means on SGLang 0.5.23:
   spends none only when stopped or blocked (a `/slow_down` sleep, a lock, a syscall). The
   detokenizer and an idle front end sleep in recv, so their CPU says little by itself.
   A process in `R` or `D` (running, or in I/O) at a sample is working, and so is one whose
-  main thread made a read or write call over the window (/proc/PID/task/PID/io): a scheduler
-  loop that waits on a slow download sleeps in `S` between reads, with next to no CPU, while a
-  blocked or stopped loop makes no call at all (the kernel counts file-layer calls only: a
-  download written to disk or read through TLS shows, a socket's recv alone does not).
+  main thread made a read call over the window (syscr of /proc/PID/task/PID/io): a scheduler
+  loop that waits on a slow download (TLS reads through read(2)) sleeps in `S` between reads,
+  with next to no CPU, while a blocked or stopped loop reads nothing. Writes do not count: a
+  loop stuck retrying still logs. Nor do recv(2) calls, which the kernel does not count.
 * NVML utilization of its GPUs, where there is NVML: a forward pass (a long prefill, a slow
   collective) keeps it up while the scheduler's CPU may look quiet.
 * Our own requests that wait: a `/server_info` (the scheduler answers it between two batches,
@@ -35,7 +35,7 @@ Verdicts (each condition must hold at every sample for `window` seconds):
 * **scheduler blocked**: work waits on the scheduler (our /server_info unanswered since the
   window began; where the scheduler refuses us, 401 under `--api-key`, the metrics' requests
   in flight while /ready said 200), no progress, no scheduler or detokenizer that worked (CPU
-  under `cpu_floor`, its main thread under `main_cpu_floor` and without a read or write call),
+  under `cpu_floor`, its main thread under `main_cpu_floor` and without a read call),
   none of them running, and no GPU utilization above `gpu_floor`: hung;
 * **front end wedged**: our request to the front end unanswered since the window began, the
   front end did not work (the same floors), not running, no progress: hung;
@@ -87,7 +87,7 @@ class ProcSample:
     state: str  # the state letter ("R", "S", "D", "T", ...); "" when unreadable
     cpu_ticks: int | None  # utime + stime in clock ticks; None when unreadable
     main_ticks: int | None = None  # the same of its main thread alone; None when unreadable
-    main_io: int | None = None  # read and write calls its main thread made; None when unreadable
+    main_reads: int | None = None  # read calls its main thread made (syscr); None when unreadable
 
 
 @dataclass(frozen=True)
@@ -200,8 +200,8 @@ class HangWatch:
                     return True
             elif (p.main_ticks - old.main_ticks) / self.clk_tck / span >= self.main_cpu_floor:
                 return True
-            if old.main_io is not None and p.main_io is not None and p.main_io != old.main_io:
-                return True  # its loop reads or writes (a slow download): waiting on I/O, not blocked
+            if old.main_reads is not None and p.main_reads is not None and p.main_reads > old.main_reads:
+                return True  # its loop reads (a slow download): waiting on I/O, not blocked
         if any(p.role in roles and p.state and p.state in WORKING_STATES for o in window for p in o.processes):
             return True
         return gpu and any(o.gpu_util is not None and o.gpu_util >= self.gpu_floor for o in window)
@@ -235,8 +235,9 @@ class HangWatch:
             cpu = (f"{(p.cpu_ticks - old) / self.clk_tck:.2f} s CPU" if old is not None and p.cpu_ticks is not None
                    else "CPU unknown")
             if was is not None and was.main_ticks is not None and p.main_ticks is not None:
-                calls = (f", {p.main_io - was.main_io} reads or writes" if was.main_io is not None
-                         and p.main_io is not None else "")
+                calls = ("" if was.main_reads is None or p.main_reads is None
+                         else f", {p.main_reads - was.main_reads} reads" if p.main_reads >= was.main_reads
+                         else ", its read count reset")
                 cpu += f" ({(p.main_ticks - was.main_ticks) / self.clk_tck:.2f} s its main thread{calls})"
             procs.append(f"{p.role} {p.pid} state {p.state or '?'} {cpu}")
         parts = [f"over {span:.0f} s: " + ", ".join(procs)]

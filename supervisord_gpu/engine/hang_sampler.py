@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from ..config.trust import untrusted_program
-from ..ownership.procfs import main_thread_io_calls, main_thread_ticks, read_text, run_state
+from ..ownership.procfs import main_thread_reads, main_thread_ticks, read_text, run_state
 from ..sglang import server_metrics
 from ..sglang.server_metrics import MetricsError, ServerMetrics
 from .hang import Observation, ProcSample
@@ -128,7 +128,7 @@ class HangSampler:
                 # the first bytes only: a child's argv may be megabytes, read every look
                 title = (read_text(pid, "cmdline", TITLE_READ_BYTES) or "").split("\0")[0].strip()
                 role = server_metrics.role_of(title[:15], False)
-            out.append(ProcSample(pid, role, state, ticks, main_thread_ticks(pid), main_thread_io_calls(pid)))
+            out.append(ProcSample(pid, role, state, ticks, main_thread_ticks(pid), main_thread_reads(pid)))
         return tuple(out)
 
     async def look(self, serving: bool | None) -> Observation:

@@ -109,28 +109,29 @@ def main_thread_ticks(pid: int) -> int | None:
     return _ticks(read_text(pid, f"task/{pid}/stat"))
 
 
-def main_thread_io_calls(pid: int) -> int | None:
-    """Read and write system calls the process's main thread has made (syscr + syscw of
-    /proc/PID/task/PID/io), None when gone or unreadable (the file needs ptrace access: the
-    daemon's root with CAP_SYS_PTRACE). Where SGLang's scheduler loop runs: one that waits on a
-    slow download makes calls while it spends next to no CPU; a blocked or stopped one makes none.
-    The kernel counts calls through the file layer (read, write, their vector forms: a file, a
-    pipe, a download written to disk, TLS through OpenSSL); a socket's recv and send are not
-    counted (measured here, Linux 6.1), so a download kept in memory over plain HTTP shows none."""
-    return _io_calls(read_text(pid, f"task/{pid}/io"))
+def main_thread_reads(pid: int) -> int | None:
+    """Read calls the process's main thread has made (syscr of /proc/PID/task/PID/io), None when
+    gone or unreadable (the file needs ptrace access: the daemon's root with CAP_SYS_PTRACE).
+    Where SGLang's scheduler loop runs: one that waits on a slow download reads now and then
+    while it spends next to no CPU; a blocked or stopped one reads nothing.
+
+    The kernel counts read(2) and its vector forms, on any file: a file, a pipe, an eventfd (a
+    ZMQ receive that wakes), a socket read that way (TLS through OpenSSL, libuv's TCP, so
+    uvloop's front end); it does not count recv(2)/recvfrom(2) (Python's socket.recv), measured
+    here on Linux 6.1. Writes are left out on purpose: a loop stuck retrying would still log."""
+    return _reads(read_text(pid, f"task/{pid}/io"))
 
 
-def _io_calls(io: str | None) -> int | None:
-    """syscr + syscw of an `io` text, None when there is none or it lacks either."""
-    fields = {}
+def _reads(io: str | None) -> int | None:
+    """syscr of an `io` text, None when there is none or it lacks it."""
     for line in (io or "").splitlines():
         key, sep, value = line.partition(":")
-        if sep:
-            fields[key.strip()] = value.strip()
-    try:
-        return int(fields["syscr"]) + int(fields["syscw"])
-    except (KeyError, ValueError):
-        return None
+        if sep and key.strip() == "syscr":
+            try:
+                return int(value.strip())
+            except ValueError:
+                return None
+    return None
 
 
 def run_state(pid: int) -> tuple[str, str, int | None] | None:
