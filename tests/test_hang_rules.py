@@ -7,6 +7,7 @@ The looks come every 2 s with a 15 s window, the shipped defaults. A real schedu
 
 from __future__ import annotations
 
+import re
 from supervisord_gpu.engine.hang import HangWatch, Observation, ProcSample
 from supervisord_gpu.sglang import server_metrics
 from supervisord_gpu.sglang.server_metrics import MetricsError, ServerMetrics
@@ -138,6 +139,44 @@ def test_a_blocked_main_thread_that_reads_nothing_is_hung_and_the_evidence_count
     at, verdict = run(s, 60, scheduler_waiting_since=0.5)
     assert at is not None and at <= WINDOW + 2 * STEP, at
     assert "(0.00 s its main thread, 0 reads)" in verdict.evidence, verdict.evidence
+
+
+def test_a_scheduler_kept_only_by_its_reads_gets_one_line_per_episode():
+    """Reads spare it without a time limit (a slow download may take minutes), so a peer that
+    trickles bytes into one could hold its requests for ever: after READS_NOTE_WINDOWS windows
+    of that, one line (hang-spared) says so, with the evidence; again after it answered between."""
+    from supervisord_gpu.engine.hang import READS_NOTE_WINDOWS
+
+    s, watch = Server(), HangWatch(WINDOW)
+    s.rate[SCHED], s.main_rate[SCHED], s.read_rate[SCHED], s.state[SCHED] = 1, 0, 1, "S"
+    notes = []
+    t = 0.0
+    while t < 400:
+        t += STEP
+        answering = 200 <= t < 240  # it answers for a while: the episode ends
+        verdict = watch.observe(s.look(t, scheduler_waiting_since=None if answering else 0.5 if t < 200 else 240.5))
+        assert not verdict.kill, (t, verdict.kill)
+        if verdict.note:
+            notes.append((t, verdict.note, verdict.evidence))
+    assert len(notes) == 2, [n[0] for n in notes]
+    (t1, note, evidence), (t2, _, _) = notes
+    lower = READS_NOTE_WINDOWS * WINDOW
+    assert lower <= t1 <= lower + WINDOW + 2 * STEP, t1
+    assert 240 + lower <= t2 <= 240 + lower + 2 * WINDOW + 2 * STEP, t2
+    assert "but for its main thread's reads" in note and "left running" in note, note
+    assert re.search(r"scheduler 101 state S [\d.]+ s CPU \(0\.00 s its main thread, [1-9]\d* reads\)", evidence), evidence
+
+
+def test_a_scheduler_that_spins_and_reads_gets_no_line():
+    """Reads are only the last reason: a scheduler that works by CPU is busy, nothing to say."""
+    s = Server()
+    s.read_rate[SCHED] = 1
+    watch = HangWatch(WINDOW)
+    t = 0.0
+    while t < 300:
+        t += STEP
+        verdict = watch.observe(s.look(t, scheduler_waiting_since=0.5))
+        assert not verdict.kill and not verdict.note, (t, verdict)
 
 
 def test_reads_that_stop_are_no_work_once_the_window_has_passed_them():

@@ -76,6 +76,10 @@ CPU_FLOOR = 0.10
 MAIN_CPU_FLOOR = 0.01
 #: NVML utilization (percent of time a kernel ran) at or above this at any sample: the GPU works
 GPU_FLOOR = 5.0
+#: A scheduler that neither answers nor works but for its main thread's reads is left running
+#: (a slow download); after this many windows of it, one line says so (`hang-spared`): a peer
+#: that trickles bytes into such a download could otherwise hold requests for ever unseen.
+READS_NOTE_WINDOWS = 4
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,7 @@ class HangVerdict:
     kill: str = ""  # "" = leave it running; else why, in our words
     evidence: str = ""  # one line: what the window saw (for the journal, kill or not)
     pids: tuple[int, ...] = ()  # the hung processes (whose stacks are dumped before the kill)
+    note: str = ""  # not hung, but worth one line: what alone keeps it from the verdict
 
 
 class HangWatch:
@@ -125,6 +130,8 @@ class HangWatch:
         self.gpu_floor = gpu_floor
         self.stopped_since: dict[int, float] = {}
         self.history: collections.deque[Observation] = collections.deque()
+        self.reading_since: float | None = None  # since when only its main thread's reads spare it
+        self.reading_noted = False  # the line of this episode is written
 
     def observe(self, obs: Observation) -> HangVerdict:
         self._remember(obs)
@@ -142,7 +149,8 @@ class HangWatch:
         if first is None:
             return HangVerdict()
         window = [o for o in self.history if o.at >= first.at]
-        if self._scheduler_blocked(first, obs, window):
+        scheduler = self._scheduler_judgement(first, obs, window)
+        if scheduler == "hung":
             schedulers = tuple(p.pid for p in obs.processes if p.role == "scheduler")
             return HangVerdict(kill=f"its scheduler neither answered nor worked for {obs.at - first.at:.0f} s "
                                     f"(hang_window {self.window_s:g} s)",
@@ -152,26 +160,44 @@ class HangWatch:
             return HangVerdict(kill=f"its front end neither answered nor worked for {obs.at - first.at:.0f} s "
                                     f"(hang_window {self.window_s:g} s)",
                                evidence=self.evidence(first, obs), pids=front)
-        return HangVerdict()
+        note = self._reading_note(scheduler == "reading", first, obs)
+        return HangVerdict(note=note, evidence=self.evidence(first, obs)) if note else HangVerdict()
 
     # ------------------------------------------------------------------ the rules
 
-    def _scheduler_blocked(self, first: Observation, now: Observation, window: list[Observation]) -> bool:
+    def _scheduler_judgement(self, first: Observation, now: Observation, window: list[Observation]) -> str:
+        """"hung"; "reading" (it would be, but for its main thread's reads); "" (it answers or works)."""
         if not any(p.role == "scheduler" for p in now.processes):
-            return False
+            return ""
         asked = now.scheduler_waiting_since is not None and now.scheduler_waiting_since <= first.at
         # the metrics' requests in flight count only where the scheduler cannot be asked, and
         # only while /ready said 200: a paused server holds its requests by design
         held = now.scheduler_refused and all(
             o.serving is True and o.metrics is not None and (o.metrics.in_flight or 0) > 0 for o in window)
-        if not (asked or held):
-            return False
-        return not self._progressed(first, now) and not self._worked(first, now, window, WORKERS, gpu=True)
+        if not (asked or held) or self._progressed(first, now):
+            return ""
+        work = self._work(first, now, window, WORKERS, gpu=True)
+        return {"": "hung", "reads": "reading"}.get(work, "")
+
+    def _reading_note(self, reading: bool, first: Observation, now: Observation) -> str:
+        """One line per episode, once only its main thread's reads have kept a scheduler that
+        neither answers nor works from the verdict for READS_NOTE_WINDOWS windows."""
+        if not reading:
+            self.reading_since, self.reading_noted = None, False
+            return ""
+        if self.reading_since is None:
+            self.reading_since = first.at  # the condition held over the whole window
+        if self.reading_noted or now.at - self.reading_since < READS_NOTE_WINDOWS * self.window_s:
+            return ""
+        self.reading_noted = True
+        return (f"its scheduler has neither answered nor worked for {now.at - self.reading_since:.0f} s but for its "
+                f"main thread's reads (a slow download, or a peer that trickles bytes into one): left running; "
+                f"it is hung once they stop for hang_window {self.window_s:g} s")
 
     def _front_wedged(self, first: Observation, now: Observation, window: list[Observation]) -> bool:
         if now.front_waiting_since is None or now.front_waiting_since > first.at:
             return False
-        return not self._progressed(first, now) and not self._worked(first, now, window, ("front end",), gpu=False)
+        return not self._progressed(first, now) and not self._work(first, now, window, ("front end",), gpu=False)
 
     def _progressed(self, first: Observation, now: Observation) -> bool:
         """Tokens out or requests completed between the two looks (unknown counts as none:
@@ -181,30 +207,34 @@ class HangWatch:
         return any(b is not None and a is not None and b != a
                    for a, b in zip(first.metrics.progress, now.metrics.progress, strict=True))
 
-    def _worked(self, first: Observation, now: Observation, window: list[Observation], roles: tuple[str, ...],
-                gpu: bool) -> bool:
+    def _work(self, first: Observation, now: Observation, window: list[Observation], roles: tuple[str, ...],
+              gpu: bool) -> str:
         """Did any process of these roles (or, with `gpu`, its GPUs) do work over the window?
-        A process we cannot compare (new, gone, unreadable) counts as working: no evidence."""
+        "work"; "reads" when nothing but a main thread's reads did; "" for none. A process we
+        cannot compare (new, gone, unreadable) counts as working: no evidence."""
         before = {p.pid: p for p in first.processes if p.role in roles}
         after = [p for p in now.processes if p.role in roles]
+        read = False
         span = max(now.at - first.at, 1e-9)
         for p in after:
             old = before.get(p.pid)
             if old is None or old.cpu_ticks is None or p.cpu_ticks is None:
-                return True
+                return "work"
             share = (p.cpu_ticks - old.cpu_ticks) / self.clk_tck / span
             if share >= self.cpu_floor:
-                return True
+                return "work"
             if old.main_ticks is None or p.main_ticks is None:
                 if share >= self.main_cpu_floor:  # where its work ran is not known: any of it counts
-                    return True
+                    return "work"
             elif (p.main_ticks - old.main_ticks) / self.clk_tck / span >= self.main_cpu_floor:
-                return True
+                return "work"
             if old.main_reads is not None and p.main_reads is not None and p.main_reads > old.main_reads:
-                return True  # its loop reads (a slow download): waiting on I/O, not blocked
+                read = True  # its loop reads (a slow download): waiting on I/O, not blocked
         if any(p.role in roles and p.state and p.state in WORKING_STATES for o in window for p in o.processes):
-            return True
-        return gpu and any(o.gpu_util is not None and o.gpu_util >= self.gpu_floor for o in window)
+            return "work"
+        if gpu and any(o.gpu_util is not None and o.gpu_util >= self.gpu_floor for o in window):
+            return "work"
+        return "reads" if read else ""
 
     # ------------------------------------------------------------------ bookkeeping
 

@@ -591,6 +591,9 @@ class ManagedProcess:
                 if verdict.kill:
                     await self._kill_hung(verdict)
                     return
+                if verdict.note:
+                    self.sink.event(f"{self.name}: {verdict.note}. Evidence: {verdict.evidence}", 4,
+                                    GPUSUP_PROCESS=self.name, GPUSUP_EVENT="hang-spared")
         finally:
             sampler.close()
 
