@@ -13,22 +13,26 @@ from supervisord_gpu.sglang import server_metrics
 from supervisord_gpu.sglang.server_metrics import MetricsError, ServerMetrics
 
 WINDOW, STEP = 15.0, 2.0
-FRONT, SCHED, DETOK = 100, 101, 102
+FRONT, SCHED, DETOK, DP = 100, 101, 102, 103
+ROLES = {FRONT: "front end", SCHED: "scheduler", DETOK: "detokenizer", DP: "dp controller"}
 
 
 class Server:
-    """A fake server's processes, advanced look by look."""
+    """A fake server's processes, advanced look by look; with `dp`, a dp controller too (SGLang
+    starts one for dp_size > 1), spinning as 0.5.23's does."""
 
-    def __init__(self) -> None:
-        self.ticks = {FRONT: 0, SCHED: 0, DETOK: 0}
-        self.state = {FRONT: "S", SCHED: "R", DETOK: "S"}
-        self.rate = {FRONT: 1, SCHED: 200, DETOK: 0}  # ticks per look
+    def __init__(self, dp: bool = False) -> None:
+        pids = (FRONT, SCHED, DETOK) + ((DP,) if dp else ())
+        self.ticks = dict.fromkeys(pids, 0)
+        self.state = {FRONT: "S", SCHED: "R", DETOK: "S", DP: "R"}
+        self.rate = {FRONT: 1, SCHED: 200, DETOK: 0, DP: 200}  # ticks per look
+        self.rate = {pid: self.rate[pid] for pid in pids}
         #: of those, its main thread's per look (None: the main thread is not read)
-        self.main_rate: dict[int, int | None] = {FRONT: None, SCHED: None, DETOK: None}
-        self.main_ticks = {FRONT: 0, SCHED: 0, DETOK: 0}
+        self.main_rate: dict[int, int | None] = dict.fromkeys(pids)
+        self.main_ticks = dict.fromkeys(pids, 0)
         #: read calls of its main thread per look (None: /proc/PID/task/PID/io not read)
-        self.read_rate: dict[int, int | None] = {FRONT: None, SCHED: None, DETOK: None}
-        self.reads = {FRONT: 0, SCHED: 0, DETOK: 0}
+        self.read_rate: dict[int, int | None] = dict.fromkeys(pids)
+        self.reads = dict.fromkeys(pids, 0)
         self.tokens = 0.0
 
     def look(self, at: float, **kw) -> Observation:  # type: ignore[no-untyped-def]
@@ -37,7 +41,7 @@ class Server:
                 self.ticks[pid] += rate
                 self.main_ticks[pid] += self.main_rate[pid] or 0
                 self.reads[pid] += self.read_rate[pid] or 0
-        roles = {FRONT: "front end", SCHED: "scheduler", DETOK: "detokenizer"}
+        roles = {pid: ROLES[pid] for pid in self.rate}
         procs = tuple(ProcSample(pid, roles[pid], self.state[pid], self.ticks[pid],
                                  None if self.main_rate[pid] is None else self.main_ticks[pid],
                                  None if self.read_rate[pid] is None else self.reads[pid]) for pid in roles)
@@ -91,6 +95,25 @@ def test_a_scheduler_blocked_with_our_request_waiting_is_hung_within_the_window(
     assert at is not None and at <= WINDOW + 2 * STEP, at
     assert "its scheduler neither answered nor worked" in verdict.kill and verdict.pids == (SCHED,)
     assert "/server_info: unanswered for" in verdict.evidence
+
+
+def test_a_blocked_scheduler_is_hung_while_the_dp_controller_spins_and_a_stopped_one_is_hung_too():
+    """SGLang 0.5.23's dp controller (dp_size > 1) polls the tokenizer's socket with
+    zmq.NOBLOCK in a loop without a sleep (data_parallel_controller.py, event_loop): a full core
+    whatever its schedulers do, so its CPU is no sign that they work."""
+    s = Server(dp=True)
+    s.rate[SCHED], s.state[SCHED] = 0, "S"
+    s.main_rate[DP], s.read_rate[DP] = 200, 0  # all of it on its main thread, recv(2) uncounted
+    at, verdict = run(s, 60, scheduler_waiting_since=0.5)
+    assert at is not None and at <= WINDOW + 2 * STEP, at
+    assert "its scheduler neither answered nor worked" in verdict.kill and verdict.pids == (SCHED,)
+    assert "dp controller 103 state R" in verdict.evidence, verdict.evidence
+    s = Server(dp=True)
+    s.state[DP] = "T"
+    at, verdict = run(s, 60)
+    assert at is not None and at <= WINDOW + 2 * STEP and verdict.pids == (DP,), (at, verdict)
+    s = Server(dp=True)  # one that spins beside a scheduler that spins and answers: left alone
+    assert run(s, 120) == (None, None)
 
 
 def test_a_blocked_scheduler_whose_helper_threads_wake_is_still_hung():

@@ -59,8 +59,11 @@ from ..sglang.server_metrics import ServerMetrics
 
 #: roles whose stop stops the pipeline (sglang/server_metrics.role_of)
 JUDGED_ROLES = ("front end", "scheduler", "detokenizer", "dp controller")
-#: roles whose CPU time is the server's work (the front end's also pays for our own probes)
-WORKERS = ("scheduler", "detokenizer", "dp controller")
+#: roles whose CPU time is the server's work (the front end's also pays for our own probes).
+#: Not the dp controller (dp_size > 1): 0.5.23's polls the tokenizer's socket with zmq.NOBLOCK
+#: in a loop without a sleep (data_parallel_controller.py, event_loop), a full core whatever
+#: its schedulers do; counted, it would spare every blocked scheduler behind it.
+WORKERS = ("scheduler", "detokenizer")
 STOPPED_STATES = "Tt"
 WORKING_STATES = "RD"
 #: A process did work over the window when it spent this share of one core or more: a real
