@@ -28,8 +28,8 @@ from supervisord_gpu.checks.gpus import GpuInventory
 from supervisord_gpu.cluster import kv as kv_module
 from supervisord_gpu.cluster import store as store_module
 from supervisord_gpu.cluster.agent import NodeAgent
-from supervisord_gpu.cluster.coordinator import (LedTransition, _plan_agrees, prepare_cluster_start, roll_back,
-                                                 roll_back_failed_start, running_profiles)
+from supervisord_gpu.cluster.coordinator import (LedTransition, _plan_agrees, peers_started, prepare_cluster_start,
+                                                 roll_back, roll_back_failed_start, running_profiles)
 from supervisord_gpu.cluster.dcs import StoreUnreachable
 from supervisord_gpu.cluster.gate import ClusterGate
 from supervisord_gpu.cluster.kv import MemoryKV
@@ -771,6 +771,55 @@ def test_a_switch_coordinated_here_stops_the_old_profile_everywhere_and_holds_th
         [("a", "stop", "pd"), ("b", "stop", "pd")], [("b", "stop", "pd"), ("a", "stop", "pd")])
     assert sorted(x for x in cluster.log if x[1] == "start") == [("a", "start", "tp"), ("b", "start", "tp")]
     assert "cluster transition to tp done: every node's part is ready" in out["said"], out["said"]
+
+
+def watch_peers(out: dict[str, Any], limit: float = 3.0) -> BaseException | None:
+    """The coordinator's watch on the other nodes' parts of the start it led: what it raised."""
+    try:
+        asyncio.run(asyncio.wait_for(peers_started(out["store"], out["led"], threading.Event()), limit))
+    except (SupervisorError, TimeoutError) as e:
+        return e
+    return None
+
+
+def test_the_coordinator_hears_at_once_that_another_nodes_part_of_its_start_failed(cluster):
+    """Its own part (rank 0 of tp) would wait for b's for ever; the watch names b's failure as
+    soon as b's agent reports it, and the controller fails our start with it."""
+    publish_pd_running(cluster.store())
+    a = cluster.node("a").start()
+    b = cluster.node("b", fail={("start", "tp"): "start of dsv4@tp.service: failed"}).start()
+    out = coordinate(cluster)
+    keep_alive(a, b)
+    assert "led" in out, out
+    e = watch_peers(out)
+    assert isinstance(e, StepFailed) and str(e) == "step 3 failed on node 'b': start of dsv4@tp.service: failed", e
+
+
+def test_only_another_node_of_the_start_can_fail_the_coordinators_watch(cluster):
+    """As an etcd writer forging reports: one for the coordinator's own node (its start is the
+    daemon's own, not a report's) or for a node with no part fails nothing; one for b fails
+    our start as b's real failure would (a rollback to what ran: nothing new starts)."""
+    store = cluster.store()
+    cluster.node("b")  # announced, its lease alive; its agent not running: its part still loads
+    both = (NodeWork("a", "tp", ("big",)), NodeWork("b", "tp", ("big",)))
+    led = LedTransition(ClusterPlan("tp", (), (Step(1, "start", both),)), (),
+                        LockRecord("a", "tp", starting=("tp",), pid=1, tid="t9"))
+    writer = store.grant()
+    report(store, "t9", 1, "a", writer, "forged: a's part failed")
+    report(store, "t9", 1, "c", writer, "forged: c's part failed")
+    assert isinstance(watch_peers({"store": store, "led": led}, 0.5), TimeoutError)  # still waiting for b
+    report(store, "t9", 1, "b", writer, "start of dsv4@tp.service: failed")
+    e = watch_peers({"store": store, "led": led})
+    assert isinstance(e, StepFailed) and str(e) == "step 1 failed on node 'b': start of dsv4@tp.service: failed", e
+
+
+def test_the_coordinators_watch_ends_quietly_once_the_other_nodes_parts_are_up(cluster):
+    publish_pd_running(cluster.store())
+    a = cluster.node("a", fail={("start", "tp"): "ours: not the watch's business"}).start()
+    b = cluster.node("b").start()
+    out = coordinate(cluster)
+    keep_alive(a, b)
+    assert watch_peers(out) is None  # b's part is up; a's own start is the daemon's, not watched here
 
 
 def test_a_verification_failing_after_the_stops_rolls_back_on_every_node_under_a_lock_of_its_own(cluster):

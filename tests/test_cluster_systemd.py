@@ -448,6 +448,9 @@ def test_a_nodes_daemon_sigkilled_while_its_part_starts_ends_in_the_old_profile_
         raise AssertionError(f"{e}: {cluster.active('pd')} {cluster.active('tp')}\n" + cluster.journals()) from None
     assert "active" not in cluster.active("tp").values()
     assert cluster.decoys_alive()
+    # a's rank 0 would wait for rank 1 for ever: its start failed on b's report, not at its start_timeout
+    said = a.journal("dsv4@tp", "-p", "err")
+    assert "cluster transition to tp: step 3 failed on node 'b'" in said and "start_timeout" not in said, said
 
 
 def test_etcd_lost_during_a_switch_ends_it_saying_so_and_starts_nothing_new(cluster):

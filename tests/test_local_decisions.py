@@ -37,6 +37,7 @@ from supervisord_gpu.controller.backends import Backends
 from supervisord_gpu.controller.controller import InstanceController
 from supervisord_gpu.controller.outcome import Outcome
 from supervisord_gpu.controller.registry import Record
+from supervisord_gpu.cluster.dcs import StepFailed
 from supervisord_gpu.controller.transition import LocalTransition
 from supervisord_gpu.engine.states import State
 from supervisord_gpu.errors import EXIT_GAVE_UP, EXIT_OK, EXIT_PRECONDITIONS, PreconditionError, StartError, SupervisorError
@@ -402,6 +403,8 @@ class FakeInstance:
         self.starting = starting
         self.processes: dict[str, Any] = {}
         self.state, self.cancel_reason, self.failed = State.STOPPED, "", asyncio.Event()
+        self.abort: asyncio.Event | None = None  # while its start runs
+        self.failure = StartError("")
         self.log: list[str] = []
 
     async def prepare(self) -> None:
@@ -409,13 +412,33 @@ class FakeInstance:
 
     async def start(self) -> None:
         self.log.append("start")
+        if self.starting is None:  # ready at once
+            self.state = State.READY
+            return
+        self.abort = asyncio.Event()
+        work = asyncio.ensure_future(self.starting())
+        aborted = asyncio.ensure_future(self.abort.wait())
         try:
-            if self.starting is not None:
-                await self.starting()
+            await asyncio.wait({work, aborted}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             self.log.append("start cancelled")
             raise
+        finally:
+            self.abort, _ = None, aborted.cancel()
+        if not work.done():  # failed from outside: what had started is stopped
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            self.log.append(f"start failed: {self.failure}")
+            raise self.failure
+        work.result()
         self.state = State.READY
+
+    def fail_start(self, error: StartError) -> bool:
+        if self.abort is None:
+            return False
+        self.failure = error
+        self.abort.set()
+        return True
 
     def set_transition(self, _text: str) -> None:
         pass
@@ -435,8 +458,9 @@ class FakeInstance:
 
 
 class FakeTransition:
-    def __init__(self, making_room: Callable[[], Awaitable[None]] | None = None) -> None:
-        self.making_room = making_room
+    def __init__(self, making_room: Callable[[], Awaitable[None]] | None = None,
+                 peer_fails: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.making_room, self.peer_fails = making_room, peer_fails
         self.rolled_back: list[SupervisorError] = []
 
     async def prepare(self, _how: str, _progress: Callable[[str], None]) -> None:
@@ -446,6 +470,10 @@ class FakeTransition:
     async def roll_back(self, error: SupervisorError, reason: str) -> str | None:
         self.rolled_back.append(error)
         return None
+
+    async def peers_started(self) -> None:
+        if self.peer_fails is not None:
+            await self.peer_fails()
 
     def came_from(self) -> str:
         return "-"
@@ -514,6 +542,36 @@ def test_a_start_that_fails_with_its_ports_free_is_a_failure_exit_1(machine: Mac
     outcome = asyncio.run(controller(machine, FakeInstance(crash), transition=transition).start())
     assert (outcome.state, outcome.exit_code, outcome.reason) == ("failed", 1, "main: exited 1")
     assert isinstance(transition.rolled_back[0], StartError)
+
+
+def test_a_part_of_the_same_start_failing_on_another_node_fails_ours_at_once_and_rolls_back(machine: Machine) -> None:
+    """Rank 0 of a TP spanning nodes waits for rank 1 for ever: when node b's part fails, our
+    start fails then (not at its start_timeout), naming b, and the transition rolls back."""
+    async def loads_for_ever() -> None:
+        await asyncio.sleep(3600)
+
+    async def b_fails() -> None:
+        await asyncio.sleep(0.05)
+        raise StepFailed("b", 3, "start of dsv4@tp.service: failed")
+
+    instance, transition = FakeInstance(loads_for_ever), FakeTransition(peer_fails=b_fails)
+    outcome = asyncio.run(asyncio.wait_for(controller(machine, instance, transition=transition).start(), 10))
+    assert (outcome.state, outcome.exit_code) == ("failed", 1), outcome
+    assert outcome.reason == "cluster transition to beta: step 3 failed on node 'b': start of dsv4@tp.service: failed"
+    assert instance.log[-1] == f"failed: {outcome.reason}" and f"start failed: {outcome.reason}" in instance.log
+    assert isinstance(transition.rolled_back[0], StartError)
+
+
+def test_peers_that_all_started_leave_our_start_to_finish_by_itself(machine: Machine) -> None:
+    async def loads() -> None:
+        await asyncio.sleep(0.1)
+
+    async def peers_up() -> None:
+        return
+
+    instance = FakeInstance(loads)
+    outcome = asyncio.run(controller(machine, instance, transition=FakeTransition(peer_fails=peers_up)).start())
+    assert outcome.ok and instance.log == ["prepare", "start"], (outcome, instance.log)
 
 
 def test_a_second_job_while_one_runs_is_refused_as_busy(machine: Machine) -> None:

@@ -180,6 +180,22 @@ async def waited(store: DCS, tid: str, step: Step, deadline: float, closing: thr
     return await in_worker(lambda aborted: store.wait_step(tid, step.number, step.nodes(), deadline, aborted), closing)
 
 
+async def peers_started(store: DCS, t: LedTransition, closing: threading.Event) -> None:
+    """Until every other node's part of the start we led reported: returns once all are up (or
+    after an hour, no verdict); raises StepFailed or NodeLost as soon as one failed or its node
+    went. Why: our own part may wait for theirs (rank 0 of a TP spanning nodes waits for rank 1
+    for ever), so without this a peer that failed at once left us loading until our own
+    start_timeout (minutes for a big model) before anything was rolled back."""
+    start = t.plan.steps[-1]
+    others = tuple(w for w in start.work if w.node != t.me.node)
+    if start.action != "start" or not others:
+        return
+    try:
+        await waited(store, t.me.tid, Step(start.number, start.action, others), time.monotonic() + 3600, closing)
+    except TimeoutError:
+        return
+
+
 async def _release_when_started(store: DCS, plan: ClusterPlan, tid: str, me: LockRecord,
                                 say: Callable[[str, int], None], closing: threading.Event) -> None:
     """The lock is held until every node's part reported its start (ready or failed)."""

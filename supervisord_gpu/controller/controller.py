@@ -85,7 +85,7 @@ class InstanceController:
         try:
             await self.instance.prepare()
             await self._make_room()
-            await self.instance.start()
+            await self._start_beside_peers()
         except SupervisorError as e:
             outcome = await self._after_failed_start(e)
             took_over = self.transition.took_over()
@@ -116,6 +116,27 @@ class InstanceController:
         except asyncio.CancelledError:
             self.instance.stopped_while_starting()
             raise
+
+    async def _start_beside_peers(self) -> None:
+        """The instance's start, failed at once when a part of the same start on another node
+        fails (a profile spanning nodes whose transition we lead): ours may wait for theirs for
+        ever, as rank 0 of a TP waits for rank 1, and would otherwise load on until its own
+        start_timeout before the rollback began."""
+
+        async def fail_when_a_peer_fails() -> None:
+            try:
+                await self.transition.peers_started()
+            except SupervisorError as e:
+                error = StartError(f"cluster transition to {self.profile.name}: {str(e).splitlines()[0]}")
+                while not self.instance.fail_start(error):  # not yet begun: it begins at once
+                    await asyncio.sleep(0.05)
+
+        watching = asyncio.ensure_future(fail_when_a_peer_fails())
+        try:
+            await self.instance.start()
+        finally:
+            watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
 
     async def _acquire_lock(self) -> None:
         holder = self.lock.holder()

@@ -50,6 +50,10 @@ class Transition(Protocol):
         """After a failed start: undo what `prepare` stopped. The reason to report (it then is a
         TakeoverFailed, exit 5), or None when nothing had been stopped."""
 
+    async def peers_started(self) -> None:
+        """While our own start runs: returns once the parts of the same start on other nodes
+        are up (at once where there are none); raises the failure of the first that failed."""
+
     def came_from(self) -> str:
         """What the last `prepare` stopped, for the transition metric ("-" for nothing)."""
 
@@ -161,6 +165,9 @@ class LocalTransition:
                 + (", ".join(rolled) + " started again" if rolled else "nothing")
                 + (f"; rollback failed: {'; '.join(failed)}" if failed else "") + ")")
 
+    async def peers_started(self) -> None:
+        return  # one machine: no part of this start runs elsewhere
+
     def came_from(self) -> str:
         return ",".join(c.instance for c in self.stopped) or "-"
 
@@ -203,6 +210,13 @@ class ClusterTransition:
             return None
         self.say(f"rollback: {said}", 4, "rollback")
         return f"{reason} (cluster transition; {said})"
+
+    async def peers_started(self) -> None:
+        if self.led is None:
+            return  # another node leads: its coordinator watches every part, ours included
+        from ..cluster.coordinator import peers_started
+
+        await peers_started(self.gate.store, self.led, self.gate.closing)
 
     def came_from(self) -> str:
         return "-"

@@ -384,10 +384,18 @@ class Instance:
 
     # ------------------------------------------------------------------ restarts
 
+    def fail_start(self, error: StartError) -> bool:
+        """Fail the start under way with `error` (what had started is stopped, as for any failed
+        start); False when no start is under way (not yet begun, or over)."""
+        if self.state != InstanceState.STARTING or self._start_abort is None:
+            return False
+        if self._start_failure is None:  # the first cause is the one reported
+            self._start_failure = error
+        self._start_abort.set()
+        return True
+
     def _on_unexpected_exit(self, proc: ManagedProcess) -> None:
-        if self.state == InstanceState.STARTING and self._start_abort is not None:
-            self._start_failure = StartError(proc._failure(f"exited during start-up ({proc.last_exit})"))
-            self._start_abort.set()
+        if self.fail_start(StartError(proc._failure(f"exited during start-up ({proc.last_exit})"))):
             return
         # PARKED: it died between its restore and the restore's proof of serving, which then
         # fails, and the profile is started cold (controller/parking.py); no restart beside that
