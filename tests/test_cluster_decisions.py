@@ -26,6 +26,7 @@ import pytest
 from cluster_fixtures import FakeUnits, NoGpus, memory_store, node_config
 from supervisord_gpu.checks.gpus import GpuInventory
 from supervisord_gpu.cluster import kv as kv_module
+from supervisord_gpu.cluster import coordinator as coordinator_module
 from supervisord_gpu.cluster import store as store_module
 from supervisord_gpu.cluster.agent import NodeAgent
 from supervisord_gpu.cluster.coordinator import (LedTransition, _plan_agrees, peers_started, prepare_cluster_start,
@@ -717,9 +718,10 @@ def test_a_lock_proves_a_transition_only_if_its_plan_starts_this_instance_on_thi
 
 
 def coordinate(cluster: Cluster, instance: str = "tp", after: Callable[[ClusterStore], Any] | None = None,
-               limit: float = 3.0, progress: list[str] | None = None) -> dict[str, Any]:
+               limit: float = 3.0, progress: list[str] | None = None, watch: bool = False) -> dict[str, Any]:
     """Node a's daemon of `instance` through its cluster pre-flight: what it said, its progress,
-    whether it only verified, and how it ended (the gate, or the error)."""
+    whether it only verified, and how it ended (the gate, or the error); with `watch`, then what
+    its watch on the other nodes' parts of the start raised ("watched"), while its gate is open."""
     cfg = node_config(cluster.tmp / "a", "a")
     store = memory_store(cfg, cluster.kv)
     part = load_profile(cfg, instance)
@@ -735,6 +737,8 @@ def coordinate(cluster: Cluster, instance: str = "tp", after: Callable[[ClusterS
                                                                       lambda m, _p: out["said"].append(m),
                                                                       out["progress"].append, verify), limit)
             out["gate"] = gate
+            if watch:
+                out["watched"] = await peers_watched(store, out["led"], limit, out["said"])
             if after is not None:
                 await asyncio.wait_for(after(store), limit)
         except (SupervisorError, TimeoutError) as e:
@@ -773,10 +777,10 @@ def test_a_switch_coordinated_here_stops_the_old_profile_everywhere_and_holds_th
     assert "cluster transition to tp done: every node's part is ready" in out["said"], out["said"]
 
 
-def watch_peers(out: dict[str, Any], limit: float = 3.0) -> BaseException | None:
+async def peers_watched(store: ClusterStore, led: LedTransition, limit: float, said: list[str]) -> BaseException | None:
     """The coordinator's watch on the other nodes' parts of the start it led: what it raised."""
     try:
-        asyncio.run(asyncio.wait_for(peers_started(out["store"], out["led"], threading.Event()), limit))
+        await asyncio.wait_for(peers_started(store, led, threading.Event(), lambda m, _p: said.append(m)), limit)
     except (SupervisorError, TimeoutError) as e:
         return e
     return None
@@ -788,11 +792,10 @@ def test_the_coordinator_hears_at_once_that_another_nodes_part_of_its_start_fail
     publish_pd_running(cluster.store())
     a = cluster.node("a").start()
     b = cluster.node("b", fail={("start", "tp"): "start of dsv4@tp.service: failed"}).start()
-    out = coordinate(cluster)
+    out = coordinate(cluster, watch=True)
     keep_alive(a, b)
-    assert "led" in out, out
-    e = watch_peers(out)
-    assert isinstance(e, StepFailed) and str(e) == "step 3 failed on node 'b': start of dsv4@tp.service: failed", e
+    e = out["watched"]
+    assert isinstance(e, StepFailed) and str(e) == "step 3 failed on node 'b': start of dsv4@tp.service: failed", out
 
 
 def test_only_another_node_of_the_start_can_fail_the_coordinators_watch(cluster):
@@ -801,25 +804,61 @@ def test_only_another_node_of_the_start_can_fail_the_coordinators_watch(cluster)
     our start as b's real failure would (a rollback to what ran: nothing new starts)."""
     store = cluster.store()
     cluster.node("b")  # announced, its lease alive; its agent not running: its part still loads
-    both = (NodeWork("a", "tp", ("big",)), NodeWork("b", "tp", ("big",)))
-    led = LedTransition(ClusterPlan("tp", (), (Step(1, "start", both),)), (),
-                        LockRecord("a", "tp", starting=("tp",), pid=1, tid="t9"))
-    writer = store.grant()
+    led = led_by_a()
+    writer, said = store.grant(), []
     report(store, "t9", 1, "a", writer, "forged: a's part failed")
     report(store, "t9", 1, "c", writer, "forged: c's part failed")
-    assert isinstance(watch_peers({"store": store, "led": led}, 0.5), TimeoutError)  # still waiting for b
+    assert isinstance(asyncio.run(peers_watched(store, led, 0.5, said)), TimeoutError)  # still waiting for b
     report(store, "t9", 1, "b", writer, "start of dsv4@tp.service: failed")
-    e = watch_peers({"store": store, "led": led})
+    e = asyncio.run(peers_watched(store, led, 3.0, said))
     assert isinstance(e, StepFailed) and str(e) == "step 1 failed on node 'b': start of dsv4@tp.service: failed", e
+    assert said == []
+
+
+def led_by_a() -> LedTransition:
+    both = (NodeWork("a", "tp", ("big",)), NodeWork("b", "tp", ("big",)))
+    return LedTransition(ClusterPlan("tp", (), (Step(1, "start", both),)), (),
+                         LockRecord("a", "tp", starting=("tp",), pid=1, tid="t9"))
+
+
+def test_etcd_out_of_reach_or_a_peers_agent_gone_fails_nothing_and_a_later_failure_still_does(cluster, monkeypatch):
+    """Neither says that b's part failed (b's daemon runs it, not its agent; a restarted agent
+    revokes its lease): our part goes on loading, said once each, and b's report still counts."""
+    monkeypatch.setattr(store_module, "WATCH_SLICE_S", 0.05)
+    monkeypatch.setattr(coordinator_module, "PEERS_RETRY_S", 0.05)
+    kv = Unreachable()
+    store = memory_store(node_config(cluster.tmp / "a", "a"), kv)
+    agent_b = store.grant()
+    store.announce(NodeRecord("b", 1, (), (), 0.0), agent_b)
+    writer, said = store.grant(), []
+
+    async def go() -> BaseException | None:
+        watch = asyncio.ensure_future(peers_watched(store, led_by_a(), 5.0, said))
+        await asyncio.sleep(0.2)
+        kv.down = True  # etcd away for a moment
+        await asyncio.sleep(0.3)
+        kv.down = False
+        store.revoke(agent_b)  # b's agent restarted: its lease goes, its part loads on
+        await asyncio.sleep(0.3)
+        assert not watch.done(), watch
+        store.announce(NodeRecord("b", 1, (), (), 0.0), store.grant())
+        report(store, "t9", 1, "b", writer, "start of dsv4@tp.service: failed")
+        return await watch
+
+    e = asyncio.run(go())
+    assert isinstance(e, StepFailed) and "node 'b'" in str(e), e
+    assert len(said) == 2 and all(m.endswith("this node's part goes on loading (only a part reported failed fails it)")
+                                  for m in said), said
+    assert "connection refused" in said[0] and "node 'b' was lost" in said[1], said
 
 
 def test_the_coordinators_watch_ends_quietly_once_the_other_nodes_parts_are_up(cluster):
     publish_pd_running(cluster.store())
     a = cluster.node("a", fail={("start", "tp"): "ours: not the watch's business"}).start()
     b = cluster.node("b").start()
-    out = coordinate(cluster)
+    out = coordinate(cluster, watch=True)
     keep_alive(a, b)
-    assert watch_peers(out) is None  # b's part is up; a's own start is the daemon's, not watched here
+    assert "watched" in out and out["watched"] is None, out  # b's part is up; a's own start is the daemon's
 
 
 def test_a_verification_failing_after_the_stops_rolls_back_on_every_node_under_a_lock_of_its_own(cluster):

@@ -93,6 +93,38 @@ def test_start_failure_of_one_process_stops_all_others_and_names_it(tmp_path, cg
     assert sim_holders(tmp_path) == []
 
 
+def test_a_start_failed_from_outside_stops_what_started_and_names_why_and_only_while_it_runs(tmp_path, cgroups):
+    """What the controller does when another node's part of the same start failed: the start
+    under way fails with that reason, whatever had started is stopped; with no start under
+    way (before it, after it) there is nothing to fail."""
+    ports = free_ports(4)
+    cdir = write_config(tmp_path, {"p": two_servers_and_router(ports)}, cgroups.root, startup=1.0)
+    instance, _ = make_instance(cdir, "p")
+    why = StartError("cluster transition to p: step 3 failed on node 'b': start of dsv4@p.service: failed")
+
+    async def go() -> tuple[bool, bool, str]:
+        before = instance.fail_start(why)
+        starting = asyncio.ensure_future(instance.start())
+        while not any(p.pid for p in instance.processes.values()):
+            await asyncio.sleep(0.05)
+        during = instance.fail_start(why)
+        with pytest.raises(StartError) as info:
+            await starting
+        return before, during, str(info.value)
+
+    before, during, message = asyncio.run(go())
+    assert (before, during, message) == (False, True, str(why))
+    assert instance.state == State.FAILED and cgroups.all_pids() == [] and sim_holders(tmp_path) == []
+
+    async def again() -> bool:
+        await instance.start()
+        after = instance.fail_start(why)
+        await instance.stop()
+        return after
+
+    assert asyncio.run(again()) is False and instance.state == State.STOPPED  # ready: not a start any more
+
+
 def test_stop_order_is_router_then_decode_then_prefill(tmp_path, cgroups):
     cdir = write_config(tmp_path, {"pd": pd_profile(free_ports(5))}, cgroups.root)
     rec = Recorder()

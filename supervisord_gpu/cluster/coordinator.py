@@ -180,20 +180,43 @@ async def waited(store: DCS, tid: str, step: Step, deadline: float, closing: thr
     return await in_worker(lambda aborted: store.wait_step(tid, step.number, step.nodes(), deadline, aborted), closing)
 
 
-async def peers_started(store: DCS, t: LedTransition, closing: threading.Event) -> None:
+#: while our part loads: how long to wait before reading the other nodes' reports again, after
+#: etcd did not answer or a node's agent was gone (neither says that its part failed)
+PEERS_RETRY_S = 2.0
+
+
+async def peers_started(store: DCS, t: LedTransition, closing: threading.Event,
+                        say: Callable[[str, int], None]) -> None:
     """Until every other node's part of the start we led reported: returns once all are up (or
-    after an hour, no verdict); raises StepFailed or NodeLost as soon as one failed or its node
-    went. Why: our own part may wait for theirs (rank 0 of a TP spanning nodes waits for rank 1
-    for ever), so without this a peer that failed at once left us loading until our own
-    start_timeout (minutes for a big model) before anything was rolled back."""
+    after an hour, no verdict); raises StepFailed as soon as one reported its part failed.
+
+    Why: our own part may wait for theirs (rank 0 of a TP spanning nodes waits for rank 1 for
+    ever), so a peer that failed at once left us loading until our own start_timeout (minutes
+    for a big model) before anything was rolled back. Only a failed report fails us: etcd out
+    of reach for a moment, or a node's agent gone (restarted, partitioned; its part is run by
+    its daemon, not by the agent), says nothing about that part, and our start goes on, bounded
+    by its own start_timeout; each is said once."""
     start = t.plan.steps[-1]
     others = tuple(w for w in start.work if w.node != t.me.node)
     if start.action != "start" or not others:
         return
-    try:
-        await waited(store, t.me.tid, Step(start.number, start.action, others), time.monotonic() + 3600, closing)
-    except TimeoutError:
-        return
+    deadline = time.monotonic() + 3600
+    said: set[str] = set()
+    while True:
+        try:
+            await waited(store, t.me.tid, Step(start.number, start.action, others), deadline, closing)
+            return
+        except StepFailed:
+            raise
+        except TimeoutError:
+            return
+        except SupervisorError as e:  # NodeLost, ClusterUnavailable: no verdict on that part
+            kind = type(e).__name__
+            if kind not in said:
+                said.add(kind)
+                say(f"cluster transition to {t.plan.target}: {str(e).splitlines()[0]}; this node's part goes on "
+                    "loading (only a part reported failed fails it)", 4)
+        await asyncio.sleep(PEERS_RETRY_S)
 
 
 async def _release_when_started(store: DCS, plan: ClusterPlan, tid: str, me: LockRecord,

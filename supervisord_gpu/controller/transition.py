@@ -216,7 +216,8 @@ class ClusterTransition:
             return  # another node leads: its coordinator watches every part, ours included
         from ..cluster.coordinator import peers_started
 
-        await peers_started(self.gate.store, self.led, self.gate.closing)
+        await peers_started(self.gate.store, self.led, self.gate.closing,
+                            lambda message, priority: self.say(message, priority, "transition"))
 
     def came_from(self) -> str:
         return "-"

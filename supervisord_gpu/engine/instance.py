@@ -247,10 +247,15 @@ class Instance:
             if self._start_failure is not None:
                 raise self._start_failure
 
-        async with asyncio.TaskGroup() as tg:  # the first failure cancels the siblings
-            tg.create_task(watch())
-            for spec in self.profile.processes:
-                tg.create_task(bring_up(self.processes[spec.name]))
+        try:
+            async with asyncio.TaskGroup() as tg:  # the first failure cancels the siblings
+                tg.create_task(watch())
+                for spec in self.profile.processes:
+                    tg.create_task(bring_up(self.processes[spec.name]))
+        finally:
+            self._start_abort = None  # fail_start now finds no start under way
+        if self._start_failure is not None:  # failed from outside after all were up, before ready
+            raise self._start_failure
 
     def stopped_while_starting(self) -> None:
         self._start_began = None
@@ -395,7 +400,8 @@ class Instance:
         return True
 
     def _on_unexpected_exit(self, proc: ManagedProcess) -> None:
-        if self.fail_start(StartError(proc._failure(f"exited during start-up ({proc.last_exit})"))):
+        if self.state == InstanceState.STARTING:  # the start fails naming it (or, failing, stops the rest): no restart
+            self.fail_start(StartError(proc._failure(f"exited during start-up ({proc.last_exit})")))
             return
         # PARKED: it died between its restore and the restore's proof of serving, which then
         # fails, and the profile is started cold (controller/parking.py); no restart beside that
