@@ -280,8 +280,12 @@ def router_terminations(ctr) -> list[float]:  # type: ignore[no-untyped-def]
 
 
 def queued_at_a_closing_listener(request: dict, terminations: list[float]) -> bool:  # type: ignore[type-arg]
-    """A reset that came back within 50 ms, sent within 0.5 s of a router's SIGTERM."""
-    if "reset" not in request.get("error", "").lower() or request["t1"] - request["t0"] > 0.05:
+    """A reset that came back within 50 ms, sent within 0.5 s of a router's SIGTERM. The client
+    sees it as ECONNRESET, or as EPIPE when the reset came before it had sent the request (seen
+    once in CI: sent 14 ms before the SIGTERM, "Broken pipe" 3 ms after it): a router that had
+    read the request could not have made the client's own send fail."""
+    error = request.get("error", "").lower()
+    if not ("reset" in error or "broken pipe" in error) or request["t1"] - request["t0"] > 0.05:
         return False
     return any(abs(request["t0"] - t) < 0.5 for t in terminations)
 
