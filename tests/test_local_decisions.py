@@ -424,7 +424,8 @@ class FakeInstance:
             self.log.append("start cancelled")
             raise
         finally:
-            self.abort, _ = None, aborted.cancel()
+            self.abort = None
+            aborted.cancel()
         if not work.done():  # failed from outside: what had started is stopped
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
